@@ -1,0 +1,153 @@
+"""Configuration: pydantic-settings models read from ``KVGATE_*`` env vars and an optional YAML file.
+
+Precedence: explicit arguments > environment > YAML file > defaults. Everything is validated at start;
+``format_validation_error`` turns a failure into one line per bad field.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+from urllib.parse import urlparse
+
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+EngineKind = Literal["vllm", "sglang", "sim"]
+PolicyName = Literal["round_robin", "least_loaded", "session_affinity"]
+
+
+class WorkerConfig(BaseModel):
+    url: str
+    model: str = Field(min_length=1)
+    engine: EngineKind = "vllm"
+    id: str = ""
+    """Stable name used in metrics and decisions; defaults to host:port."""
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        u = urlparse(v)
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise ValueError(f"worker url must be http(s)://host[:port], got {v!r}")
+        return v.rstrip("/")
+
+    @model_validator(mode="after")
+    def _default_id(self) -> WorkerConfig:
+        if not self.id:
+            u = urlparse(self.url)
+            self.id = f"{u.hostname}:{u.port or (443 if u.scheme == 'https' else 80)}"
+        return self
+
+
+class _YamlSettings(BaseSettings):
+    """Adds the YAML file named by an env var (``KVGATE_CONFIG``, ``KVGATE_SIM_CONFIG``) as a source."""
+
+    config_env_var: ClassVar[str] = "KVGATE_CONFIG"
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        path = os.environ.get(cls.config_env_var)
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if path:
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"{cls.config_env_var}={path}: no such file")
+            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
+        return tuple(sources)
+
+
+class GatewaySettings(_YamlSettings):
+    model_config = SettingsConfigDict(env_prefix="KVGATE_", extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    workers: list[WorkerConfig] = Field(default_factory=list)
+    policy: PolicyName = "session_affinity"
+    affinity_epsilon: float = Field(0.25, ge=0.0, le=10.0)
+    """Bounded load: a worker above (1+epsilon)·mean load takes no more sessions."""
+    conversation_headers: list[str] = Field(default_factory=lambda: ["x-conversation-id", "x-session-id"])
+    tenant_header: str = "x-tenant-id"
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    max_attempts: int = Field(2, ge=1, le=10)
+    """Workers tried for one request when they fail before the first byte."""
+    health_interval_s: float = Field(5.0, gt=0)
+    health_timeout_s: float = Field(2.0, gt=0)
+    upstream_connect_timeout_s: float = Field(3.0, gt=0)
+    upstream_read_timeout_s: float = Field(600.0, gt=0)
+    retry_after_s: int = Field(1, ge=0)
+    drain_timeout_s: float = Field(30.0, ge=0)
+    session_ttl_s: float = Field(3600.0, gt=0)
+    max_sessions: int = Field(100_000, ge=1)
+
+    @field_validator("conversation_headers")
+    @classmethod
+    def _lower(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("at least one conversation header is needed")
+        return [h.strip().lower() for h in v]
+
+    @model_validator(mode="after")
+    def _unique_ids(self) -> GatewaySettings:
+        ids = [w.id for w in self.workers]
+        dup = {i for i in ids if ids.count(i) > 1}
+        if dup:
+            raise ValueError(f"duplicate worker ids: {sorted(dup)}")
+        return self
+
+
+class SimSettings(_YamlSettings):
+    model_config = SettingsConfigDict(env_prefix="KVGATE_SIM_", extra="forbid")
+    config_env_var: ClassVar[str] = "KVGATE_SIM_CONFIG"
+
+    host: str = "127.0.0.1"
+    port: int = Field(8100, ge=0, le=65535)
+    model: str = "kvgate-tiny"
+    model_dir: str | None = None
+    """Tokenizer and template directory; default: the tiny model, built on first use."""
+    profile: str = "cpu-tiny"
+    block_size: int | None = Field(None, gt=0)
+    num_blocks: int | None = Field(None, gt=0)
+    max_num_seqs: int | None = Field(None, gt=0)
+    max_model_len: int = Field(4096, gt=0)
+    hash_algo: Literal["sha256", "sha256_cbor"] = "sha256"
+    hash_seed: str | None = Field(default_factory=lambda: os.environ.get("PYTHONHASHSEED"))
+    speed: float = Field(1.0, gt=0)
+    """Timing model speed-up: 10 runs every step ten times faster than the profile says."""
+    kv_events_endpoint: str | None = None
+    kv_replay_endpoint: str | None = None
+    kv_events_topic: str = ""
+
+    @field_validator("profile")
+    @classmethod
+    def _known_profile(cls, v: str) -> str:
+        from kvgate.sim.timing import PROFILES
+
+        if v not in PROFILES:
+            raise ValueError(f"unknown profile {v!r}; expected one of {sorted(PROFILES)}")
+        return v
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(settings)"
+        lines.append(f"  {loc}: {err['msg']}" + (f" (got {err['input']!r})" if "input" in err and
+                                                   not isinstance(err["input"], dict) else ""))
+    return "invalid configuration:\n" + "\n".join(lines)
+
+
+def load_gateway_settings(**overrides: Any) -> GatewaySettings:
+    return GatewaySettings(**overrides)

@@ -1,0 +1,72 @@
+"""The routing contract's types: what a policy reads (a frozen snapshot) and what it returns."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import NewType
+
+WorkerId = NewType("WorkerId", str)
+ConversationId = NewType("ConversationId", str)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """One worker as the router sees it at decision time."""
+
+    id: WorkerId
+    model: str
+    healthy: bool
+    in_flight: int
+    """Requests kvgate has sent to this worker and not yet finished."""
+    running: int = 0
+    """``vllm:num_requests_running`` at the last poll (0 before the first)."""
+    waiting: int = 0
+    """``vllm:num_requests_waiting`` at the last poll."""
+    kv_usage: float = 0.0
+    """``vllm:kv_cache_usage_perc``, 0..1."""
+
+    @property
+    def load(self) -> int:
+        """The load the bounded-load rules compare: kvgate's own in-flight count is the freshest."""
+        return max(self.in_flight, self.running + self.waiting)
+
+
+@dataclass(frozen=True, slots=True)
+class FleetView:
+    """An immutable snapshot of the workers that serve one model."""
+
+    workers: tuple[WorkerView, ...]
+
+    def healthy(self) -> tuple[WorkerView, ...]:
+        return tuple(w for w in self.workers if w.healthy)
+
+    def get(self, wid: WorkerId) -> WorkerView | None:
+        for w in self.workers:
+            if w.id == wid:
+                return w
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What a policy may know of a request."""
+
+    model: str
+    conversation_id: ConversationId
+    home_worker: WorkerId | None = None
+    """Where this conversation was last served, from the session store."""
+    prompt_tokens: int = 0
+    """Estimated prompt length (0 when unknown)."""
+    exclude: frozenset[WorkerId] = frozenset()
+    """Workers already tried for this request (retries)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    worker: WorkerId
+    reason: str
+    """A short stable label, counted in ``kvgate_route_decisions_total{policy,reason}``."""
+    expected_cached_tokens: int = 0
+    scores: Mapping[WorkerId, float] = field(default_factory=dict)
+    """Per-worker score the policy compared (lower is better), for explanation and debugging."""

@@ -1,0 +1,185 @@
+"""A paged prefix cache that behaves like vLLM v1's ``BlockPool``.
+
+Mechanism only: ref counts, an LRU queue of free blocks, a hash → block map, and an event queue
+drained by ``take_events()``. Invariants:
+- a block is in ``_free`` iff its ref count is 0;
+- a block with a hash is in ``_cached`` under that hash, and vice versa (at most one block per hash);
+- a freed block keeps its hash (and stays a cache hit) until it is reused for something else, which
+  is when ``BlockRemoved`` is emitted — as vLLM does, never on free.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvgate.router.hashing import BlockHash
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    block_hashes: tuple[BlockHash, ...]
+    parent_block_hash: BlockHash | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    extra_keys: tuple[object, ...] | None = None
+    medium: str = "GPU"
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    block_hashes: tuple[BlockHash, ...]
+    medium: str = "GPU"
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    pass
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(slots=True)
+class _Block:
+    id: int
+    ref_cnt: int = 0
+    hash: BlockHash | None = None
+
+
+@dataclass(slots=True)
+class BlockPool:
+    num_blocks: int
+    block_size: int
+    _blocks: list[_Block] = field(init=False)
+    _free: OrderedDict[int, None] = field(init=False)
+    _cached: dict[BlockHash, int] = field(init=False)
+    _events: list[KVEvent] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.num_blocks <= 0 or self.block_size <= 0:
+            raise ValueError("num_blocks and block_size must be positive")
+        self._blocks = [_Block(i) for i in range(self.num_blocks)]
+        self._free = OrderedDict((i, None) for i in range(self.num_blocks))
+        self._cached = {}
+        self._events = []
+
+    # -- queries -------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def usage(self) -> float:
+        """vLLM's ``kv_cache_usage_perc``: referenced blocks over all blocks."""
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def longest_hit(self, hashes: Sequence[BlockHash], max_blocks: int) -> list[int]:
+        """Block ids of the longest cached prefix of ``hashes``, at most ``max_blocks`` long."""
+        hit: list[int] = []
+        for h in hashes[:max_blocks]:
+            bid = self._cached.get(h)
+            if bid is None:
+                break
+            hit.append(bid)
+        return hit
+
+    def is_free(self, block_id: int) -> bool:
+        return block_id in self._free
+
+    def is_cached(self, h: BlockHash) -> bool:
+        return h in self._cached
+
+    def cached_hashes(self) -> set[BlockHash]:
+        return set(self._cached)
+
+    # -- mutations -----------------------------------------------------------------------------
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Take a reference on cache-hit blocks (pulling free ones out of the LRU queue)."""
+        for bid in block_ids:
+            b = self._blocks[bid]
+            if b.ref_cnt == 0:
+                del self._free[bid]
+            b.ref_cnt += 1
+
+    def allocate(self, n: int) -> list[int] | None:
+        """``n`` fresh blocks, evicting the least recently freed cached ones; None if too few are free."""
+        if n > len(self._free):
+            return None
+        out: list[int] = []
+        removed: list[BlockHash] = []
+        for _ in range(n):
+            bid, _ = self._free.popitem(last=False)
+            b = self._blocks[bid]
+            if b.hash is not None:
+                del self._cached[b.hash]
+                removed.append(b.hash)
+                b.hash = None
+            b.ref_cnt = 1
+            out.append(bid)
+        for h in removed:
+            # One event per evicted block, as vLLM publishes them.
+            self._events.append(BlockRemoved((h,)))
+        return out
+
+    def cache_blocks(
+        self,
+        block_ids: Sequence[int],
+        hashes: Sequence[BlockHash],
+        parent: BlockHash | None,
+        token_ids: Sequence[int],
+        extra_keys: tuple[object, ...] | None = None,
+    ) -> None:
+        """Mark newly full blocks as cached under their hashes and emit one BlockStored for them."""
+        assert len(block_ids) == len(hashes), "one hash per block"
+        assert len(token_ids) == len(hashes) * self.block_size, "token_ids must cover the blocks exactly"
+        run: list[int] = []  # indexes of a contiguous run of newly stored blocks
+        prev = parent
+        for i, (bid, h) in enumerate(zip(block_ids, hashes, strict=True)):
+            b = self._blocks[bid]
+            if b.hash is not None or h in self._cached:
+                # Already cached (a concurrent request computed the same prefix): keep one copy,
+                # and close the current run so every event's tokens match its hashes.
+                self._emit_stored(run, hashes, token_ids, prev, extra_keys)
+                run = []
+                prev = h
+                continue
+            b.hash = h
+            self._cached[h] = bid
+            if not run:
+                prev = hashes[i - 1] if i > 0 else parent
+            run.append(i)
+        self._emit_stored(run, hashes, token_ids, prev, extra_keys)
+
+    def _emit_stored(self, run: list[int], hashes: Sequence[BlockHash], token_ids: Sequence[int],
+                     parent: BlockHash | None, extra_keys: tuple[object, ...] | None) -> None:
+        if not run:
+            return
+        bs = self.block_size
+        toks = tuple(token_ids[run[0] * bs : (run[-1] + 1) * bs])
+        # The salt rides on the chain's first block only.
+        keys = extra_keys if parent is None else None
+        self._events.append(BlockStored(tuple(hashes[i] for i in run), parent, toks, bs, keys))
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop a request's references, tail first, so a chain's last blocks are evicted first."""
+        for bid in reversed(block_ids):
+            b = self._blocks[bid]
+            assert b.ref_cnt > 0, f"block {bid} freed more often than referenced"
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                self._free[bid] = None
+
+    def reset(self) -> bool:
+        """Drop every cached hash; refused (False) while any block is referenced, as in vLLM."""
+        if len(self._free) != self.num_blocks:
+            return False
+        for b in self._blocks:
+            b.hash = None
+        self._cached.clear()
+        self._events.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list[KVEvent]:
+        ev, self._events = self._events, []
+        return ev

@@ -1,0 +1,294 @@
+"""The simulated engine's core: vLLM v1-style continuous batching over a paged prefix cache.
+
+No clocks and no I/O: ``schedule()`` plans one step and says how long it takes, ``finish_step()``
+applies it and returns the tokens it produced. A driver (real time in ``runner.py``, virtual time in
+the benchmarks) decides when steps happen.
+
+Per request, ``num_computed`` tokens have KV. A step computes ``num_new`` more; when the request's
+KV then covers every known token (prompt plus generated), the step emits one new token. Prefill,
+chunked prefill, decode and recompute after preemption are all this one rule.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvgate.router.hashing import BlockHash, VllmHasher
+from kvgate.sim.blockpool import BlockPool, KVEvent
+from kvgate.sim.timing import TimingProfile
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass(slots=True, eq=False)
+class SimRequest:
+    id: str
+    prompt: list[int]
+    output: list[int]
+    """The scripted completion; its length is the number of tokens that will be generated."""
+    cache_salt: str | None = None
+    arrival: float = 0.0
+    status: Status = Status.WAITING
+    num_computed: int = 0
+    generated: int = 0
+    num_cached_tokens: int = -1
+    """Prefix-cache hit at first admission (vLLM's ``num_cached_tokens``); -1 until admitted."""
+    blocks: list[int] = field(default_factory=list)
+    hashes: list[BlockHash] = field(default_factory=list)
+    num_cached_blocks: int = 0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def known_len(self) -> int:
+        return len(self.prompt) + self.generated
+
+    def token(self, i: int) -> int:
+        p = len(self.prompt)
+        return self.prompt[i] if i < p else self.output[i - p]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt)
+        if end <= p:
+            return self.prompt[start:end]
+        return (self.prompt + self.output[: end - p])[start:end]
+
+
+@dataclass(frozen=True, slots=True)
+class Scheduled:
+    request: SimRequest
+    num_new: int
+    context: int
+    """Tokens already in KV before this chunk (the attention term)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    scheduled: tuple[Scheduled, ...]
+    duration_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenOutput:
+    request: SimRequest
+    token_id: int
+    finished: bool
+
+
+@dataclass(slots=True)
+class EngineStats:
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    preemptions: int = 0
+    finished: int = 0
+    computed_prefill_tokens: int = 0
+
+
+class EngineCore:
+    def __init__(self, profile: TimingProfile, hasher: VllmHasher, num_blocks: int | None = None) -> None:
+        if hasher.block_size != profile.block_size:
+            raise ValueError("hasher and profile disagree on block size")
+        self.profile = profile
+        self.hasher = hasher
+        self.block_size = profile.block_size
+        self.pool = BlockPool(num_blocks or profile.num_blocks, profile.block_size)
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.stats = EngineStats()
+        self._by_id: dict[str, SimRequest] = {}
+
+    # -- requests ------------------------------------------------------------------------------
+    def add_request(self, req: SimRequest) -> None:
+        if not req.output:
+            raise ValueError("a request must generate at least one token")
+        if req.id in self._by_id:
+            raise ValueError(f"duplicate request id {req.id}")
+        self._by_id[req.id] = req
+        self.waiting.append(req)
+        self.stats.prompt_tokens += len(req.prompt)
+
+    def abort(self, req_id: str) -> bool:
+        req = self._by_id.pop(req_id, None)
+        if req is None:
+            return False
+        if req.status is Status.WAITING:
+            self.waiting.remove(req)
+        elif req.status is Status.RUNNING:
+            self.running.remove(req)
+            self.pool.free(req.blocks)
+            req.blocks = []
+        req.status = Status.ABORTED
+        return True
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def take_events(self) -> list[KVEvent]:
+        return self.pool.take_events()
+
+    # -- hashing -------------------------------------------------------------------------------
+    def _ensure_hashes(self, req: SimRequest, n_blocks: int) -> None:
+        have = len(req.hashes)
+        if n_blocks <= have:
+            return
+        bs = self.block_size
+        req.hashes.extend(
+            self.hasher.block_hashes(
+                req.tokens(have * bs, n_blocks * bs),
+                parent=req.hashes[-1] if req.hashes else None,
+                cache_salt=req.cache_salt,
+                start_block=have,
+            )
+        )
+
+    # -- scheduling ----------------------------------------------------------------------------
+    def _blocks_needed(self, req: SimRequest, upto_tokens: int) -> int:
+        return -(-upto_tokens // self.block_size) - len(req.blocks)
+
+    def _preempt(self, req: SimRequest) -> None:
+        self.running.remove(req)
+        self.pool.free(req.blocks)
+        req.blocks = []
+        req.num_computed = 0
+        req.num_cached_blocks = 0
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+        self.stats.preemptions += 1
+
+    def schedule(self) -> StepPlan:
+        budget = self.profile.max_num_batched_tokens
+        out: list[Scheduled] = []
+        # Running requests first, in admission order; preempt from the back (LIFO) when out of blocks.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(budget, req.known_len - req.num_computed)
+            need = self._blocks_needed(req, req.num_computed + num_new)
+            preempted_self = False
+            while need > 0 and self.pool.num_free < need:
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is req:
+                    preempted_self = True
+                    break
+            if preempted_self:
+                break
+            if need > 0:
+                got = self.pool.allocate(need)
+                assert got is not None, "free count was checked"
+                req.blocks.extend(got)
+            out.append(Scheduled(req, num_new, req.num_computed))
+            budget -= num_new
+            i += 1
+        # Then admit waiting requests, FCFS, while there is budget, room and memory.
+        while self.waiting and budget > 0 and len(self.running) < self.profile.max_num_seqs:
+            req = self.waiting[0]
+            max_hit_blocks = (req.known_len - 1) // self.block_size
+            self._ensure_hashes(req, max_hit_blocks)
+            hit = self.pool.longest_hit(req.hashes, max_hit_blocks)
+            hit_tokens = len(hit) * self.block_size
+            num_new = min(budget, req.known_len - hit_tokens)
+            need = -(-(hit_tokens + num_new) // self.block_size) - len(hit)
+            # Hit blocks sitting in the free queue are not free for this request's allocation.
+            free_after_touch = self.pool.num_free - sum(1 for b in hit if self._is_free(b))
+            if need > free_after_touch:
+                break
+            self.waiting.popleft()
+            self.pool.touch(hit)
+            got = self.pool.allocate(need) if need > 0 else []
+            assert got is not None, "free count was checked"
+            req.blocks = hit + got
+            req.num_cached_blocks = len(hit)
+            req.num_computed = hit_tokens
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = hit_tokens
+                self.stats.prefix_cache_queries += req.known_len
+                self.stats.prefix_cache_hits += hit_tokens
+            req.status = Status.RUNNING
+            self.running.append(req)
+            out.append(Scheduled(req, num_new, hit_tokens))
+            budget -= num_new
+        chunks = []
+        dec_batch = 0
+        dec_ctx = 0
+        for s in out:
+            if s.num_new == 1 and s.request.generated > 0:
+                dec_batch += 1
+                dec_ctx += s.context + 1
+            else:
+                chunks.append((s.num_new, s.context))
+        return StepPlan(tuple(out), self.profile.step_ms(chunks, dec_batch, dec_ctx))
+
+    def _is_free(self, block_id: int) -> bool:
+        return self.pool.is_free(block_id)
+
+    def finish_step(self, plan: StepPlan, now: float) -> list[TokenOutput]:
+        outs: list[TokenOutput] = []
+        bs = self.block_size
+        for s in plan.scheduled:
+            req = s.request
+            if req.status is not Status.RUNNING:
+                continue  # aborted or preempted while the step ran
+            if req.generated == 0 or s.num_new > 1:
+                self.stats.computed_prefill_tokens += s.num_new
+            req.num_computed += s.num_new
+            full = req.num_computed // bs
+            if full > req.num_cached_blocks:
+                self._ensure_hashes(req, full)
+                a = req.num_cached_blocks
+                self.pool.cache_blocks(
+                    req.blocks[a:full],
+                    req.hashes[a:full],
+                    req.hashes[a - 1] if a > 0 else None,
+                    req.tokens(a * bs, full * bs),
+                    self.hasher.first_block_extra_keys(req.cache_salt),
+                )
+                req.num_cached_blocks = full
+            if req.num_computed == req.known_len:
+                tok = req.output[req.generated]
+                req.generated += 1
+                self.stats.generation_tokens += 1
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                done = req.generated >= len(req.output)
+                if done:
+                    self._finish(req, now)
+                outs.append(TokenOutput(req, tok, done))
+        return outs
+
+    def _finish(self, req: SimRequest, now: float) -> None:
+        self.running.remove(req)
+        self.pool.free(req.blocks)
+        req.blocks = []
+        req.status = Status.FINISHED
+        req.finish_time = now
+        self._by_id.pop(req.id, None)
+        self.stats.finished += 1
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset()
+
+    def cached_block_count(self) -> int:
+        return len(self.pool.cached_hashes())
+
+
+def prompt_hashes(hasher: VllmHasher, tokens: Sequence[int], cache_salt: str | None = None) -> list[BlockHash]:
+    return hasher.block_hashes(tokens, cache_salt=cache_salt)

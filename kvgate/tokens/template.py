@@ -1,0 +1,115 @@
+"""Chat-template rendering the way Hugging Face transformers (and so vLLM) renders it.
+
+The environment matters for byte parity: a sandboxed Jinja with ``trim_blocks``/``lstrip_blocks``,
+``loopcontrols``, and a ``tojson`` that keeps key order and non-ASCII (Jinja's own sorts keys and
+escapes HTML, which would change the prompt's bytes).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class TemplateError(ValueError):
+    """The template refused the conversation (``raise_exception``) or failed to render."""
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise(message: str) -> None:
+    raise TemplateError(message)
+
+
+def compile_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """What vLLM hands the template: tool-call argument strings parsed into objects.
+
+    vLLM parses assistant ``tool_calls[].function.arguments`` from JSON strings into dicts before
+    rendering (transformers' convention), so the template re-serialises them with ``tojson``. The
+    bytes the engine caches are therefore the re-serialised arguments, not the client's string.
+    """
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        msg = copy.deepcopy(dict(m))
+        if msg.get("role") == "assistant" and msg.get("tool_calls"):
+            for call in msg["tool_calls"]:
+                fn = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(fn, dict):
+                    continue
+                args = fn.get("arguments")
+                if not args:
+                    fn["arguments"] = {}  # vLLM turns None/"" into an empty object
+                elif isinstance(args, str):
+                    try:
+                        fn["arguments"] = json.loads(args)
+                    except json.JSONDecodeError:
+                        pass  # left as a string: the template prints it verbatim
+        out.append(msg)
+    return out
+
+
+def normalize_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Tools as vLLM's request model dumps them: every declared field present, absent ones null."""
+    if not tools:
+        return None
+    out = []
+    for t in tools:
+        fn = dict(t.get("function") or {})
+        norm_fn: dict[str, Any] = {
+            "name": fn.get("name"),
+            "description": fn.get("description"),
+            "parameters": fn.get("parameters"),
+        }
+        for k, v in fn.items():
+            if k not in norm_fn:
+                norm_fn[k] = v
+        out.append({"type": t.get("type", "function"), "function": norm_fn})
+    return out
+
+
+class ChatTemplate:
+    def __init__(self, source: str, special_tokens: Mapping[str, str | None] | None = None) -> None:
+        self.source = source
+        self._compiled = compile_template(source)
+        self._special = dict(special_tokens or {})
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        kwargs = dict(self._special)
+        kwargs.update(template_kwargs or {})
+        try:
+            return self._compiled.render(
+                messages=normalize_messages(messages),
+                tools=normalize_tools(tools),
+                add_generation_prompt=add_generation_prompt,
+                **kwargs,
+            )
+        except TemplateError:
+            raise
+        except (jinja2.TemplateError, TypeError, AttributeError, KeyError) as exc:
+            raise TemplateError(f"chat template failed: {exc}") from exc

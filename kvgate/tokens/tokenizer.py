@@ -1,0 +1,70 @@
+"""A model's tokenizer and chat template loaded from a Hugging Face style directory, without torch."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from kvgate.tokens.template import ChatTemplate
+
+
+class ChatTokenizer:
+    """Renders chat requests and tokenizes them exactly as vLLM's chat endpoint does.
+
+    vLLM encodes a rendered chat prompt with ``add_special_tokens=False`` because the template
+    already wrote the special tokens.
+    """
+
+    def __init__(self, model_dir: Path) -> None:
+        self.model_dir = Path(model_dir)
+        self._tok = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
+        cfg: dict[str, Any] = json.loads((self.model_dir / "tokenizer_config.json").read_text())
+        source = cfg.get("chat_template")
+        template_file = self.model_dir / "chat_template.jinja"
+        if not isinstance(source, str) and template_file.exists():
+            source = template_file.read_text()
+        if not isinstance(source, str):
+            raise ValueError(f"{model_dir}: no chat template found")
+        special = {k: cfg.get(k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        self.template = ChatTemplate(source, {k: v for k, v in special.items() if isinstance(v, str)})
+        eos = cfg.get("eos_token")
+        self.eos_token_id: int | None = self._tok.token_to_id(eos) if isinstance(eos, str) else None
+        self.max_model_len = int(cfg.get("model_max_length", 4096))
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tok.get_vocab_size())
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def token_to_id(self, token: str) -> int | None:
+        tid = self._tok.token_to_id(token)
+        return None if tid is None else int(tid)
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        return self.template.render(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs
+        )
+
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        return self.encode(self.render_chat(messages, tools, add_generation_prompt, template_kwargs))
