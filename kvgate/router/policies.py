@@ -48,8 +48,9 @@ class LeastLoaded:
         workers = _eligible(request, fleet)
         if not workers:
             return None
-        scores = {w.id: float(w.load) + w.kv_usage for w in workers}
-        # Ties broken by id so the choice is reproducible.
+        # kvgate's own in-flight count first; the engine's queue (which also holds other clients'
+        # requests) and KV usage break ties; then the id, so the choice is reproducible.
+        scores = {w.id: float(w.in_flight) + w.waiting / 1000 + w.kv_usage / 1e6 for w in workers}
         best = min(workers, key=lambda w: (scores[w.id], w.id))
         return Decision(worker=best.id, reason="min_load", scores=scores)
 

@@ -28,8 +28,10 @@ class WorkerView:
 
     @property
     def load(self) -> int:
-        """The load the bounded-load rules compare: kvgate's own in-flight count is the freshest."""
-        return max(self.in_flight, self.running + self.waiting)
+        """The load bounded-load rules compare: kvgate's own in-flight count. It is exact and current,
+        where the engine's polled counters lag by up to a poll interval and would make a worker look
+        busy with the very request that just finished."""
+        return self.in_flight
 
 
 @dataclass(frozen=True, slots=True)

@@ -103,8 +103,8 @@ def script_for(
             if not isinstance(c, Mapping) or not isinstance(c.get("name"), str):
                 raise BadSimSpec("each sim.tool_calls entry needs a string name")
             args_obj = c.get("arguments", {})
-            args = args_obj if isinstance(args_obj, str) else json.dumps(args_obj)
-            calls.append(ToolCall(f"chatcmpl-tool-{request_id[-12:]}{i}", c["name"], args))
+            args_text = args_obj if isinstance(args_obj, str) else json.dumps(args_obj)
+            calls.append(ToolCall(f"chatcmpl-tool-{request_id[-12:]}{i}", c["name"], args_text))
     # An agent step that calls tools usually says little; keep the answer when asked explicitly.
     content = _words(rng, answer_n) if (not calls or "answer_tokens" in spec) else ""
     return Script(reasoning=reasoning, content=content, tool_calls=tuple(calls))

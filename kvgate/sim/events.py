@@ -49,7 +49,8 @@ def encode_event(ev: KVEvent) -> dict[str, Any]:
 
 
 def encode_batch(events: list[KVEvent], ts: float) -> bytes:
-    return msgpack.packb([ts, [encode_event(e) for e in events], None], use_bin_type=True)
+    packed: bytes = msgpack.packb([ts, [encode_event(e) for e in events], None], use_bin_type=True)
+    return packed
 
 
 class KVEventPublisher:

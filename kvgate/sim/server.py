@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import itertools
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -33,6 +34,17 @@ from kvgate.tokens.tinymodel import ensure_tiny_model
 from kvgate.tokens.tokenizer import ChatTokenizer
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+# Fields of vLLM's request models that the simulator reads or that are legal but irrelevant to it.
+_COMMON_FIELDS = frozenset({
+    "model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+    "n", "seed", "stop", "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "user",
+    "cache_salt", "logprobs", "min_tokens", "request_id", "priority", "sim", "repetition_penalty",
+})
+_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
+                                 "response_format", "top_logprobs", "add_generation_prompt", "reasoning_effort"}
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 
 
 def _err(message: str, status: int, type_: str = "BadRequestError", param: str | None = None) -> JSONResponse:
@@ -65,6 +77,8 @@ class SimWorker:
         self.runner = EngineRunner(self.core, self.clock, self._publish)
         self._ids = itertools.count()
         self.in_flight = 0
+        self.ignored_fields: list[str] = []
+        """Top-level request fields this worker did not use, as vLLM warns about them."""
 
     def _publish(self, events: list[Any]) -> None:
         if self.publisher is not None:
@@ -87,6 +101,12 @@ class SimWorker:
     # -- helpers -------------------------------------------------------------------------------
     def _new_id(self, prefix: str) -> str:
         return f"{prefix}-{uuid.uuid4().hex[:16]}{next(self._ids)}"
+
+    def _note_ignored(self, body: dict[str, Any], known: frozenset[str]) -> None:
+        extra = sorted(set(body) - known)
+        if extra:
+            log.warning("The following fields were present in the request but ignored: %s", extra)
+            self.ignored_fields = extra
 
     def _check_model(self, body: dict[str, Any]) -> JSONResponse | None:
         model = body.get("model")
@@ -135,11 +155,12 @@ class SimWorker:
             if not task.done():
                 task.cancel()
 
-    async def _collect(self, q: asyncio.Queue[TokenOutput], n: int) -> None:
+    async def _collect(self, q: asyncio.Queue[TokenOutput], n: int) -> bool:
         for _ in range(n):
             out = await q.get()
             if out.finished:
-                return
+                return True
+        return True
 
     # -- endpoints -----------------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
@@ -151,6 +172,7 @@ class SimWorker:
             return _err("Request body must be a JSON object", 400)
         if (bad := self._check_model(body)) is not None:
             return bad
+        self._note_ignored(body, _CHAT_FIELDS)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             return _err("messages must be a non-empty list of objects", 400, param="messages")
@@ -244,6 +266,7 @@ class SimWorker:
             return _err("Request body must be a JSON object", 400)
         if (bad := self._check_model(body)) is not None:
             return bad
+        self._note_ignored(body, _COMPLETION_FIELDS)
         p = body.get("prompt")
         if isinstance(p, str):
             prompt = self.tokenizer.encode(p)
@@ -257,7 +280,8 @@ class SimWorker:
         if isinstance(max_tokens, JSONResponse):
             return max_tokens
         rid = self._new_id("cmpl")
-        spec = body.get("sim") if isinstance(body.get("sim"), dict) else {}
+        raw_spec = body.get("sim")
+        spec: dict[str, Any] = raw_spec if isinstance(raw_spec, dict) else {}
         try:
             script = script_for(None, None, {**spec, "tool_calls": 0}, _key(prompt), rid)
         except BadSimSpec as exc:

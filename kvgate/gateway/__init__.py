@@ -1,0 +1,1 @@
+"""The HTTP front: OpenAI-compatible API, worker pool, proxying, telemetry."""

@@ -1,0 +1,348 @@
+"""Forwarding one request: identify the conversation, route, send, retry, relay, record.
+
+A worker that fails before kvgate has sent the client anything (connection refused, reset, timeout,
+5xx, or a stream that dies before its first event) is marked unhealthy and the request goes to
+another worker, up to ``max_attempts`` workers. After the first byte a failure ends the stream with
+an SSE error event. A client that disconnects closes the upstream request, which makes vLLM abort it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+import httpx
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from kvgate.clock import Clock
+from kvgate.config import GatewaySettings
+from kvgate.errors import ApiError, BadRequest, NotFound, PayloadTooLarge, ServiceUnavailable
+from kvgate.gateway import identity
+from kvgate.gateway.requests import KVGATE_FIELDS, validate_chat, validate_completion
+from kvgate.gateway.sse import SseEvent, SseSplitter, error_event
+from kvgate.gateway.telemetry import GatewayMetrics
+from kvgate.gateway.workers import WorkerPool
+from kvgate.kvstore.sessions import Session, SessionStore, TurnRecord
+from kvgate.router.policies import Policy
+from kvgate.router.types import Decision, RouteRequest, WorkerId
+
+log = logging.getLogger(__name__)
+
+Endpoint = Literal["chat", "completions"]
+_PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+_FORWARD_HEADERS = ("authorization", "x-request-id", "traceparent", "tracestate")
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client disconnected while kvgate was waiting on the worker."""
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    @classmethod
+    def parse(cls, obj: Any) -> Usage | None:
+        if not isinstance(obj, dict):
+            return None
+        details = obj.get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens") if isinstance(details, dict) else 0
+        return cls(int(obj.get("prompt_tokens") or 0), int(obj.get("completion_tokens") or 0), int(cached or 0))
+
+
+@dataclass(slots=True)
+class _Ctx:
+    """One request in flight: what is needed to record its outcome."""
+
+    endpoint: Endpoint
+    model: str
+    ident: identity.Identity
+    session: Session | None
+    decision: Decision
+    started: float
+    ttft_s: float | None = None
+    usage: Usage | None = None
+
+
+class Proxy:
+    def __init__(self, settings: GatewaySettings, pool: WorkerPool, policy: Policy, sessions: SessionStore,
+                 metrics: GatewayMetrics, client: httpx.AsyncClient, clock: Clock) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.policy = policy
+        self.sessions = sessions
+        self.metrics = metrics
+        self.client = client
+        self.clock = clock
+
+    # -- entry ---------------------------------------------------------------------------------
+    async def handle(self, request: Request, endpoint: Endpoint) -> Response:
+        try:
+            resp = await self._handle(request, endpoint)
+        except ApiError as exc:
+            resp = exc.response()
+        except ClientGone:
+            self.metrics.client_disconnects.inc()
+            resp = Response(status_code=499)
+        self.metrics.requests.labels(endpoint, str(resp.status_code)).inc()
+        return resp
+
+    async def _handle(self, request: Request, endpoint: Endpoint) -> Response:
+        body = await self._read_json(request)
+        (validate_chat if endpoint == "chat" else validate_completion)(body)
+        model = body["model"]
+        if not self.pool.serves(model):
+            raise NotFound(f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        ident = identity.resolve(request.headers, body, self.settings.conversation_headers,
+                                 self.settings.tenant_header)
+        self.metrics.conversation_source.labels(ident.source.split(":")[0]).inc()
+        session = await self.sessions.get(ident.conversation_id)
+        fwd = {k: v for k, v in body.items() if k not in KVGATE_FIELDS}
+        stream = bool(body.get("stream"))
+        hide_usage = False
+        if stream:
+            opts = body.get("stream_options") or {}
+            if not opts.get("include_usage"):
+                # kvgate needs usage for every response; the client did not ask, so keep it out of its stream.
+                fwd["stream_options"] = {**opts, "include_usage": True}
+                hide_usage = True
+        headers = {k: v for k, v in request.headers.items() if k in _FORWARD_HEADERS}
+        payload = json.dumps(fwd).encode()
+        return await self._route_and_send(request, endpoint, model, ident, session, payload, headers, stream,
+                                          hide_usage)
+
+    async def _read_json(self, request: Request) -> dict[str, Any]:
+        limit = self.settings.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise PayloadTooLarge(f"Request body of {declared} bytes exceeds the limit of {limit} bytes.",
+                                  code="request_too_large")
+        buf = bytearray()
+        async for chunk in request.stream():
+            buf += chunk
+            if len(buf) > limit:
+                raise PayloadTooLarge(f"Request body exceeds the limit of {limit} bytes.", code="request_too_large")
+        try:
+            body = json.loads(bytes(buf))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise BadRequest(f"Request body is not valid JSON: {exc}", code="invalid_json") from exc
+        if not isinstance(body, dict):
+            raise BadRequest("Request body must be a JSON object.", code="invalid_json")
+        return body
+
+    # -- routing and retries -------------------------------------------------------------------
+    async def _route_and_send(self, request: Request, endpoint: Endpoint, model: str, ident: identity.Identity,
+                              session: Session | None, payload: bytes, headers: dict[str, str], stream: bool,
+                              hide_usage: bool) -> Response:
+        tried: set[WorkerId] = set()
+        last_error = ""
+        for attempt in range(self.settings.max_attempts):
+            rreq = RouteRequest(model=model, conversation_id=ident.conversation_id,
+                                home_worker=session.home_worker if session else None, exclude=frozenset(tried))
+            decision = self.policy.pick(rreq, self.pool.snapshot(model))
+            if decision is None:
+                break
+            if attempt > 0:
+                self.metrics.retries.inc()
+            self.metrics.route_decisions.labels(self.policy.name, decision.reason).inc()
+            wid = decision.worker
+            tried.add(wid)
+            ctx = _Ctx(endpoint, model, ident, session, decision, self.clock.now())
+            worker = self.pool.get(wid)
+            self.pool.acquire(wid)
+            released = False
+            try:
+                upstream = await self._until_disconnect(request, self.client.send(
+                    self.client.build_request("POST", worker.config.url + _PATHS[endpoint], content=payload,
+                                              headers={**headers, "content-type": "application/json"}),
+                    stream=True))
+                if upstream.status_code >= 500:
+                    text = (await upstream.aread())[:200].decode(errors="replace")
+                    await upstream.aclose()
+                    self._failed(wid, f"HTTP {upstream.status_code}: {text}", "status_5xx")
+                    last_error = f"worker {wid} answered {upstream.status_code}"
+                    continue
+                if upstream.status_code >= 400:
+                    # The worker judged the request; its answer goes back unchanged.
+                    content = await upstream.aread()
+                    await upstream.aclose()
+                    return Response(content, status_code=upstream.status_code,
+                                    media_type=upstream.headers.get("content-type"), headers=self._headers(ctx))
+                if stream:
+                    it = upstream.aiter_raw()
+                    try:
+                        first = await self._until_disconnect(request, _anext(it))
+                    except StopAsyncIteration:
+                        first = b""
+                    except httpx.HTTPError as exc:
+                        await upstream.aclose()
+                        self._failed(wid, repr(exc), "stream_before_first_byte")
+                        last_error = f"worker {wid} failed before the first byte"
+                        continue
+                    released = True  # the relay owns the worker slot from here
+                    return StreamingResponse(self._relay(ctx, upstream, first, it, hide_usage),
+                                             status_code=upstream.status_code, media_type="text/event-stream",
+                                             headers=self._headers(ctx))
+                try:
+                    content = await self._until_disconnect(request, upstream.aread())
+                finally:
+                    await upstream.aclose()
+                obj = _loads(content)
+                ctx.usage = Usage.parse(obj.get("usage")) if obj else None
+                await self._record(ctx)
+                return Response(content, status_code=upstream.status_code,
+                                media_type=upstream.headers.get("content-type", "application/json"),
+                                headers=self._headers(ctx))
+            except httpx.HTTPError as exc:
+                self._failed(wid, repr(exc), type(exc).__name__)
+                last_error = f"worker {wid}: {type(exc).__name__}"
+                continue
+            finally:
+                if not released:
+                    self.pool.release(wid)
+        if not tried:
+            raise ServiceUnavailable(f"No healthy worker for model `{model}`.", code="no_healthy_worker",
+                                     headers={"Retry-After": str(self.settings.retry_after_s)})
+        raise ServiceUnavailable(f"All {len(tried)} attempted workers failed; last: {last_error}",
+                                 code="upstream_failed", headers={"Retry-After": str(self.settings.retry_after_s)})
+
+    def _failed(self, wid: WorkerId, error: str, kind: str) -> None:
+        self.metrics.upstream_failures.labels(wid, kind).inc()
+        self.pool.mark_failed(wid, error)
+
+    def _headers(self, ctx: _Ctx) -> dict[str, str]:
+        return {
+            "x-kvgate-worker": ctx.decision.worker,
+            "x-kvgate-route-reason": f"{self.policy.name}:{ctx.decision.reason}",
+            "x-kvgate-conversation-id": ctx.ident.conversation_id,
+            "x-kvgate-conversation-source": ctx.ident.source,
+        }
+
+    async def _until_disconnect(self, request: Request, aw: Awaitable[T]) -> T:
+        """Await ``aw``, but give up (raising ClientGone) if the client disconnects first."""
+        task = asyncio.ensure_future(aw)
+        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if task in done:
+                return task.result()
+            raise ClientGone()
+        finally:
+            watcher.cancel()
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+                # A response that arrived while cancelling must still be closed.
+                if not task.cancelled() and task.exception() is None:
+                    res = task.result()
+                    if isinstance(res, httpx.Response):
+                        await res.aclose()
+
+    # -- streaming relay -----------------------------------------------------------------------
+    async def _relay(self, ctx: _Ctx, upstream: httpx.Response, first: bytes, it: AsyncIterator[bytes],
+                     hide_usage: bool) -> AsyncIterator[bytes]:
+        splitter = SseSplitter()
+        outcome = "cancelled"  # until the stream ends or breaks: the client went away
+        try:
+            chunk: bytes | None = first
+            while chunk is not None:
+                for ev in splitter.feed(chunk):
+                    out = self._inspect(ctx, ev, hide_usage)
+                    if out is not None:
+                        yield out
+                try:
+                    chunk = await _anext(it)
+                except StopAsyncIteration:
+                    chunk = None
+            for ev in splitter.flush():
+                out = self._inspect(ctx, ev, hide_usage)
+                if out is not None:
+                    yield out
+            outcome = "done"
+        except httpx.HTTPError as exc:
+            outcome = "failed"
+            self._failed(ctx.decision.worker, repr(exc), "stream_broken")
+            yield error_event(f"worker {ctx.decision.worker} failed mid-stream: {type(exc).__name__}")
+        finally:
+            await upstream.aclose()
+            self.pool.release(ctx.decision.worker)
+            if outcome == "done":
+                await self._record(ctx)
+            elif outcome == "cancelled":
+                self.metrics.client_disconnects.inc()
+
+    def _inspect(self, ctx: _Ctx, ev: SseEvent, hide_usage: bool) -> bytes | None:
+        obj = ev.json()
+        if obj is None:
+            return ev.raw
+        usage = Usage.parse(obj.get("usage"))
+        if usage is not None:
+            ctx.usage = usage
+        choices = obj.get("choices")
+        if ctx.ttft_s is None and isinstance(choices, list) and any(_has_output(c) for c in choices):
+            ctx.ttft_s = self.clock.now() - ctx.started
+            self.metrics.ttft.labels(ctx.model).observe(ctx.ttft_s)
+        if hide_usage and choices == [] and usage is not None:
+            return None
+        if hide_usage and usage is not None:
+            # continuous_usage_stats-style usage on a content chunk: strip just the field.
+            obj.pop("usage", None)
+            return b"data: " + json.dumps(obj).encode() + b"\n\n"
+        return ev.raw
+
+    # -- recording -----------------------------------------------------------------------------
+    async def _record(self, ctx: _Ctx) -> None:
+        wid = ctx.decision.worker
+        if ctx.usage is None:
+            self.metrics.missing_usage.inc()
+        else:
+            self.metrics.prompt_tokens.labels(wid).inc(ctx.usage.prompt_tokens)
+            self.metrics.cached_tokens.labels(wid).inc(ctx.usage.cached_tokens)
+            self.metrics.completion_tokens.labels(wid).inc(ctx.usage.completion_tokens)
+        u = ctx.usage or Usage(0, 0, 0)
+        turn = TurnRecord(wid, ctx.decision.reason, u.prompt_tokens, u.cached_tokens, u.completion_tokens,
+                          ctx.ttft_s)
+        now = self.clock.now()
+        # Re-read: another request of the same conversation may have finished meanwhile.
+        current = await self.sessions.get(ctx.ident.conversation_id) or ctx.session or Session(
+            ctx.ident.conversation_id, ctx.ident.source)
+        await self.sessions.put(current.with_turn(turn, now))
+
+
+def _has_output(choice: Any) -> bool:
+    if not isinstance(choice, dict):
+        return False
+    if choice.get("text"):
+        return True
+    delta = choice.get("delta")
+    return isinstance(delta, dict) and bool(
+        delta.get("content") or delta.get("reasoning") or delta.get("reasoning_content") or delta.get("tool_calls"))
+
+
+def _loads(content: bytes) -> dict[str, Any] | None:
+    try:
+        obj = json.loads(content)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+async def _anext(it: AsyncIterator[bytes]) -> bytes:
+    return await it.__anext__()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return

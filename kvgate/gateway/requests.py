@@ -1,0 +1,73 @@
+"""Validation of client request bodies: clear OpenAI-style errors naming the field, nothing else.
+
+Only what kvgate itself relies on is checked; every other field passes through to the worker, which
+validates the rest (its 4xx answers go back to the client unchanged).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvgate.errors import BadRequest, UnprocessableEntity
+
+KVGATE_FIELDS = ("conversation_id",)
+"""Request fields that belong to kvgate and are removed before forwarding."""
+
+_ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
+
+
+def _require(body: dict[str, Any], field: str) -> Any:
+    if field not in body or body[field] is None:
+        raise UnprocessableEntity(f"'{field}' is a required property", param=field, code="missing_required_field")
+    return body[field]
+
+
+def _type(ok: bool, field: str, expected: str) -> None:
+    if not ok:
+        raise BadRequest(f"'{field}' must be {expected}", param=field, code="invalid_type")
+
+
+def _common(body: dict[str, Any]) -> None:
+    model = _require(body, "model")
+    _type(isinstance(model, str) and bool(model), "model", "a non-empty string")
+    if "stream" in body and body["stream"] is not None:
+        _type(isinstance(body["stream"], bool), "stream", "a boolean")
+    for f in ("max_tokens", "max_completion_tokens"):
+        if body.get(f) is not None:
+            v = body[f]
+            _type(isinstance(v, int) and not isinstance(v, bool) and v > 0, f, "a positive integer")
+    so = body.get("stream_options")
+    if so is not None:
+        _type(isinstance(so, dict), "stream_options", "an object")
+    cid = body.get("conversation_id")
+    if cid is not None:
+        _type(isinstance(cid, str) and bool(cid), "conversation_id", "a non-empty string")
+
+
+def validate_chat(body: dict[str, Any]) -> None:
+    _common(body)
+    messages = _require(body, "messages")
+    _type(isinstance(messages, list) and len(messages) > 0, "messages", "a non-empty array")
+    for i, m in enumerate(messages):
+        _type(isinstance(m, dict), f"messages[{i}]", "an object")
+        role = m.get("role")
+        if role is None:
+            raise UnprocessableEntity(f"'messages[{i}].role' is a required property", param=f"messages[{i}].role",
+                                      code="missing_required_field")
+        _type(isinstance(role, str) and role in _ROLES, f"messages[{i}].role", f"one of {sorted(_ROLES)}")
+        content = m.get("content")
+        _type(content is None or isinstance(content, str | list), f"messages[{i}].content",
+              "a string or an array of content parts")
+    if body.get("tools") is not None:
+        _type(isinstance(body["tools"], list), "tools", "an array")
+
+
+def validate_completion(body: dict[str, Any]) -> None:
+    _common(body)
+    prompt = _require(body, "prompt")
+    ok = isinstance(prompt, str) or (
+        isinstance(prompt, list) and len(prompt) > 0
+        and (all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+             or all(isinstance(t, str) for t in prompt))
+    )
+    _type(ok, "prompt", "a string, an array of strings or an array of token ids")

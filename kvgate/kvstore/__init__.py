@@ -1,0 +1,1 @@
+"""State that outlives a request: conversations (sessions) and, later, KV tier residency."""
