@@ -118,13 +118,13 @@ def print_table(rows: list[TurnResult]) -> None:
               f"{r.cached_tokens:>7} {r.ttft_ms:>8.1f}  {r.finish}")
 
 
-async def run_demo(n_workers: int = 3, profile: str = "h100-llama3-8b") -> list[TurnResult]:
+async def run_demo(n_workers: int = 3, profile: str = "h100-llama3-8b", speed: float = 1.0) -> list[TurnResult]:
     model_dir = ensure_tiny_model()
     sims: list[tuple[SimWorker, ServerHandle]] = []
     gw: ServerHandle | None = None
     try:
         for _ in range(n_workers):
-            w = SimWorker(SimSettings(model_dir=str(model_dir), profile=profile, hash_seed="0"))
+            w = SimWorker(SimSettings(model_dir=str(model_dir), profile=profile, hash_seed="0", speed=speed))
             sims.append((w, await start_server(w.build_app())))
         settings = GatewaySettings(workers=[WorkerConfig(url=h.url, model="kvgate-tiny", engine="sim")
                                             for _, h in sims], policy="session_affinity", health_interval_s=1.0)

@@ -1,0 +1,162 @@
+"""Shared fixtures: the tiny model, and clusters of simulated workers plus a gateway on loopback."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvgate.config import GatewaySettings, SimSettings, WorkerConfig
+from kvgate.gateway.app import Gateway, create_app
+from kvgate.serving import ServerHandle, start_server
+from kvgate.sim.server import SimWorker
+from kvgate.tokens.tinymodel import ensure_tiny_model
+from kvgate.tokens.tokenizer import ChatTokenizer
+
+MODEL = "kvgate-tiny"
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    return ensure_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir: Path) -> ChatTokenizer:
+    return ChatTokenizer(model_dir)
+
+
+@dataclass
+class Cluster:
+    sims: list[tuple[SimWorker, ServerHandle]] = field(default_factory=list)
+    gateway_handle: ServerHandle | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.gateway_handle is not None
+        return self.gateway_handle.url
+
+    @property
+    def gateway(self) -> Gateway:
+        assert self.gateway_handle is not None
+        gw: Gateway = self.gateway_handle.server.config.app.state.gateway
+        return gw
+
+    def worker_by_id(self, wid: str) -> tuple[SimWorker, ServerHandle]:
+        for w, h in self.sims:
+            if f"127.0.0.1:{h.port}" == wid:
+                return w, h
+        raise KeyError(wid)
+
+    async def close(self) -> None:
+        if self.gateway_handle is not None:
+            await self.gateway_handle.stop()
+        for _, h in self.sims:
+            if not h.task.done():
+                await h.stop()
+
+
+@pytest.fixture
+async def make_cluster(model_dir: Path) -> AsyncIterator[Any]:
+    clusters: list[Cluster] = []
+
+    async def make(n: int = 2, sim: dict[str, Any] | None = None, **gw: Any) -> Cluster:
+        c = Cluster()
+        clusters.append(c)
+        for _ in range(n):
+            w = SimWorker(SimSettings(model_dir=str(model_dir), hash_seed="0", **(sim or {"speed": 20.0})))
+            c.sims.append((w, await start_server(w.build_app())))
+        gw.setdefault("health_interval_s", 0.2)
+        settings = GatewaySettings(workers=[WorkerConfig(url=h.url, model=MODEL, engine="sim") for _, h in c.sims],
+                                   **gw)
+        c.gateway_handle = await start_server(create_app(settings))
+        return c
+
+    yield make
+    for c in clusters:
+        await c.close()
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    import os
+
+    for k in list(os.environ):
+        if k.startswith("KVGATE_"):
+            monkeypatch.delenv(k)
+    yield monkeypatch
+
+
+class Proc:
+    """A kvgate process started by a test: bounded start-up wait, log tail on failure, always reaped."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        import os
+        import subprocess
+        import sys
+
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.popen = subprocess.Popen([sys.executable, "-m", "kvgate.cli", *args], stdout=self._log,
+                                      stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                                      start_new_session=True)
+
+    def tail(self, n: int = 30) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    async def wait_http(self, url: str, timeout_s: float = 30.0) -> None:
+        import asyncio
+        import time
+
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        async with httpx.AsyncClient() as c:
+            while time.monotonic() < deadline:
+                if self.popen.poll() is not None:
+                    raise RuntimeError(f"process exited with {self.popen.returncode}:\n{self.tail()}")
+                try:
+                    if (await c.get(url, timeout=1.0)).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                await asyncio.sleep(0.1)
+        raise TimeoutError(f"{url} not ready after {timeout_s}s:\n{self.tail()}")
+
+    def signal(self, sig: int) -> None:
+        import os
+
+        if self.popen.poll() is None:
+            os.killpg(self.popen.pid, sig)
+
+    def stop(self) -> None:
+        import signal
+
+        self.signal(signal.SIGKILL)
+        self.popen.wait(timeout=10)
+        self._log.close()
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator[Any]:
+    procs: list[Proc] = []
+
+    def make(*args: str, env: dict[str, str] | None = None) -> Proc:
+        p = Proc(list(args), tmp_path / f"proc{len(procs)}.log", env)
+        procs.append(p)
+        return p
+
+    yield make
+    for p in procs:
+        p.stop()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

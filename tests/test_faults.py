@@ -1,0 +1,118 @@
+"""Workers that die, and a gateway that drains: real processes, killed with real signals."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from kvgate.config import GatewaySettings, SimSettings, WorkerConfig
+from kvgate.gateway.app import create_app
+from kvgate.serving import start_server
+from kvgate.sim.server import SimWorker
+from tests.conftest import MODEL, free_port
+from tests.test_gateway import TOOLS, metric
+
+
+async def start_sims(spawn: Any, model_dir: Path, n: int, *extra: str) -> list[tuple[Any, str]]:
+    out = []
+    for _ in range(n):
+        port = free_port()
+        p = spawn("sim", "--port", str(port), "--model-dir", str(model_dir), *extra, env={"PYTHONHASHSEED": "0"})
+        out.append((p, f"http://127.0.0.1:{port}"))
+    for p, url in out:
+        await p.wait_http(url + "/health")
+    return out
+
+
+async def test_worker_killed_between_turns_next_turn_served_elsewhere(spawn: Any, model_dir: Path) -> None:
+    sims = await start_sims(spawn, model_dir, 3, "--speed", "20")
+    settings = GatewaySettings(workers=[WorkerConfig(url=u, model=MODEL, engine="sim") for _, u in sims],
+                               health_interval_s=30)  # the health check must not be what saves us
+    gw = await start_server(create_app(settings))
+    try:
+        oc = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+        msgs: list[dict[str, Any]] = [{"role": "user", "content": "investigate"}]
+        raw = await oc.chat.completions.with_raw_response.create(model=MODEL, messages=msgs, tools=TOOLS,  # type: ignore[arg-type]
+                                                                 extra_headers={"x-conversation-id": "k"})
+        home = raw.headers["x-kvgate-worker"]
+        m = raw.parse().choices[0].message
+        msgs += [m.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "out"}]  # type: ignore[index]
+        victim = next(p for p, u in sims if u.endswith(home.split(":")[1]))
+        victim.signal(signal.SIGKILL)
+        victim.popen.wait(timeout=10)
+        raw2 = await oc.chat.completions.with_raw_response.create(model=MODEL, messages=msgs, tools=TOOLS,  # type: ignore[arg-type]
+                                                                  extra_headers={"x-conversation-id": "k"})
+        assert raw2.http_response.status_code == 200
+        assert raw2.headers["x-kvgate-worker"] != home
+        assert "session_affinity:home_unavailable" == raw2.headers["x-kvgate-route-reason"]
+        app_gw = gw.server.config.app.state.gateway
+        assert not app_gw.pool.get(home).healthy
+        async with httpx.AsyncClient() as h:
+            text = (await h.get(gw.url + "/metrics")).text
+        assert "kvgate_retries_total 1.0" in text
+        # The next turn stays on its new home.
+        raw3 = await oc.chat.completions.with_raw_response.create(model=MODEL, messages=msgs, max_tokens=2,
+                                                                  extra_headers={"x-conversation-id": "k"})
+        assert raw3.headers["x-kvgate-worker"] == raw2.headers["x-kvgate-worker"]
+    finally:
+        await gw.stop()
+
+
+async def test_worker_killed_mid_stream_ends_with_sse_error(spawn: Any, model_dir: Path) -> None:
+    sims = await start_sims(spawn, model_dir, 1, "--speed", "1", "--profile", "cpu-tiny")
+    settings = GatewaySettings(workers=[WorkerConfig(url=sims[0][1], model=MODEL, engine="sim")],
+                               health_interval_s=30)
+    gw = await start_server(create_app(settings))
+    try:
+        oc = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+        stream = await oc.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                                  stream=True, extra_body={"sim": {"reasoning_tokens": 2000}})
+        got = 0
+        with pytest.raises(openai.APIError, match="failed mid-stream"):
+            async for _ in stream:
+                got += 1
+                if got == 3:
+                    sims[0][0].signal(signal.SIGKILL)
+        assert got >= 3
+        c = type("C", (), {"url": gw.url})()
+        assert await metric(c, "kvgate_upstream_failures_total", kind="stream_broken") == 1  # type: ignore[arg-type]
+    finally:
+        await gw.stop()
+
+
+async def test_sigterm_drains_in_flight_requests(spawn: Any, model_dir: Path) -> None:
+    w = SimWorker(SimSettings(model_dir=str(model_dir), speed=1.0, profile="cpu-tiny"))
+    sim = await start_server(w.build_app())
+    port = free_port()
+    gwp = spawn("serve", "--port", str(port), "--worker", f"{sim.url}={MODEL}@sim",
+                env={"KVGATE_DRAIN_TIMEOUT_S": "20"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await gwp.wait_http(url + "/ready")
+        async with httpx.AsyncClient(timeout=30) as h:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                    "sim": {"reasoning_tokens": 300, "answer_tokens": 5}}
+            slow = asyncio.create_task(h.post(url + "/v1/chat/completions", json=body))
+            await asyncio.sleep(0.4)
+            assert not slow.done()
+            gwp.signal(signal.SIGTERM)
+            r = await slow
+            assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "stop"
+        gwp.popen.wait(timeout=20)
+        assert "invalid" not in gwp.tail()
+    finally:
+        await sim.stop()
+
+
+async def test_bad_config_exits_with_clear_message(spawn: Any) -> None:
+    p = spawn("serve", env={"KVGATE_POLICY": "fastest", "KVGATE_PORT": "99999"})
+    assert p.popen.wait(timeout=30) == 2
+    out = p.tail()
+    assert "invalid configuration" in out and "policy:" in out and "port:" in out
