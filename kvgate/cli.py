@@ -101,6 +101,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     b.add_argument("out", nargs="?")
     b.add_argument("--weights", action="store_true")
 
+    dv = sub.add_parser("dev", help="developer tools: `kvgate dev engines up|down|status|install`")
+    dv.add_argument("tool", choices=["engines"])
+    dv.add_argument("rest", nargs=argparse.REMAINDER)
+
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.cmd == "serve":
@@ -112,6 +116,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         logging.getLogger().setLevel(logging.WARNING)
         asyncio.run(run_demo(args.workers, args.profile))
+    elif args.cmd == "dev":
+        from kvgate.dev.engines import cli as engines_cli
+
+        raise SystemExit(engines_cli(args.rest))
     elif args.cmd == "build-model":
         from kvgate.tokens.tinymodel import main as build_main
 

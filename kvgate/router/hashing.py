@@ -3,8 +3,12 @@
 vLLM: ``hash_block_tokens(hash_fn, parent, tokens, extra_keys) = hash_fn((parent or NONE_HASH,
 tuple(tokens), extra_keys))``; only full blocks are hashed. ``NONE_HASH = hash_fn(seed)`` where the
 seed is ``$PYTHONHASHSEED`` (every worker and kvgate must share it). KV events publish the low 64 bits
-of each digest as an unsigned int. ``cache_salt`` and the LoRA name enter the extra keys of the FIRST
-block only, so a salt namespaces a whole chain.
+of each digest as an unsigned int.
+
+Extra keys are tagged tuples in vLLM 0.32: ``("lora", name, path)`` on every block of a LoRA request,
+then ``("cache_salt", salt)`` on the FIRST block only, so a salt namespaces a whole chain; ``None`` when
+there are none. (Events publish them untagged: ``["salt"]``; older vLLMs hashed the bare values — the
+engine test suite pins the installed version's behaviour.)
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NewType
 
+import blake3
 import cbor2
 
 BlockHash = NewType("BlockHash", bytes)
@@ -61,15 +66,14 @@ class VllmHasher:
     def none_hash(self) -> BlockHash:
         return BlockHash(_HASH_FNS[self.algo](self.seed if self.seed is not None else DEFAULT_SEED))
 
-    def first_block_extra_keys(
-        self, cache_salt: str | None = None, lora_name: str | None = None
-    ) -> tuple[Any, ...] | None:
-        # vLLM orders LoRA before the salt, and uses None (not an empty tuple) when there are none.
+    @staticmethod
+    def extra_keys(first_block: bool, cache_salt: str | None = None,
+                   lora: tuple[str, str] | None = None) -> tuple[Any, ...] | None:
         keys: list[Any] = []
-        if lora_name is not None:
-            keys.append(lora_name)
-        if cache_salt is not None:
-            keys.append(cache_salt)
+        if lora is not None:
+            keys.append(("lora", lora[0], lora[1]))
+        if first_block and cache_salt:
+            keys.append(("cache_salt", cache_salt))
         return tuple(keys) if keys else None
 
     def block_hashes(
@@ -78,10 +82,10 @@ class VllmHasher:
         *,
         parent: BlockHash | None = None,
         cache_salt: str | None = None,
-        lora_name: str | None = None,
+        lora: tuple[str, str] | None = None,
         start_block: int = 0,
     ) -> list[BlockHash]:
-        """Hashes of the full blocks of ``token_ids``.
+        """Hashes of the full blocks of ``token_ids``; ``lora`` is (name, path).
 
         ``parent``/``start_block`` continue a chain: pass the last known hash and the index of the
         first block in ``token_ids`` so only new blocks are hashed (incremental per conversation).
@@ -89,14 +93,44 @@ class VllmHasher:
         fn = _HASH_FNS[self.algo]
         bs = self.block_size
         prev: bytes = parent if parent is not None else self.none_hash
-        lora_keys: tuple[Any, ...] | None = (lora_name,) if lora_name is not None else None
         out: list[BlockHash] = []
         n_full = len(token_ids) // bs
         for i in range(n_full):
-            block_index = start_block + i
-            extra = (
-                self.first_block_extra_keys(cache_salt, lora_name) if block_index == 0 else lora_keys
-            )
+            extra = self.extra_keys(start_block + i == 0, cache_salt, lora)
             prev = fn((prev, tuple(token_ids[i * bs : (i + 1) * bs]), extra))
             out.append(BlockHash(prev))
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class LMCacheKeys:
+    """The Redis keys LMCache's multiprocess server (0.5.6, blake3, RESP L2 adapter) writes for a token
+    sequence, so kvgate can check a conversation's L2 residency with ``EXISTS`` and no LMCache import.
+
+    ``h_0 = blake3(i64_be(0) || u32_be(0))``; ``h_i = blake3(h_{i-1} || u32_be(tokens of chunk i))`` over
+    full chunks only; key ``{model_name}@{kv_rank:08x}@{group:x}@{h_i.hex()}`` where ``model_name`` is
+    the model path vLLM was started with and ``kv_rank`` encodes world size / rank (TP=1: 0x01000100).
+    """
+
+    model_name: str
+    chunk_size: int = 256
+    kv_rank: int = 0x01000100
+    group: int = 0
+
+    @staticmethod
+    def _h(prefix: bytes, tokens: Sequence[int]) -> bytes:
+        h = blake3.blake3(prefix)
+        h.update(b"".join(t.to_bytes(4, "big") for t in tokens))
+        return h.digest()
+
+    def chunk_hashes(self, tokens: Sequence[int]) -> list[bytes]:
+        prev = self._h((0).to_bytes(8, "big", signed=True), (0,))
+        out = []
+        n = len(tokens) - len(tokens) % self.chunk_size
+        for i in range(0, n, self.chunk_size):
+            prev = self._h(prev, tokens[i : i + self.chunk_size])
+            out.append(prev)
+        return out
+
+    def redis_keys(self, tokens: Sequence[int]) -> list[str]:
+        return [f"{self.model_name}@{self.kv_rank:08x}@{self.group:x}@{h.hex()}" for h in self.chunk_hashes(tokens)]

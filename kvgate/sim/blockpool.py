@@ -5,7 +5,9 @@ drained by ``take_events()``. Invariants:
 - a block is in ``_free`` iff its ref count is 0;
 - a block with a hash is in ``_cached`` under that hash, and vice versa (at most one block per hash);
 - a freed block keeps its hash (and stays a cache hit) until it is reused for something else, which
-  is when ``BlockRemoved`` is emitted — as vLLM does, never on free.
+  is when ``BlockRemoved`` is emitted — as vLLM does, never on free;
+- block 0 is vLLM's null block: never allocated, so ``num_blocks`` (vLLM's ``num_gpu_blocks``) gives
+  ``num_blocks - 1`` usable blocks, and eviction under ``--num-gpu-blocks-override`` matches vLLM's.
 """
 
 from __future__ import annotations
@@ -58,10 +60,10 @@ class BlockPool:
     _events: list[KVEvent] = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.num_blocks <= 0 or self.block_size <= 0:
-            raise ValueError("num_blocks and block_size must be positive")
+        if self.num_blocks < 2 or self.block_size <= 0:
+            raise ValueError("num_blocks must be >= 2 (one is the null block) and block_size positive")
         self._blocks = [_Block(i) for i in range(self.num_blocks)]
-        self._free = OrderedDict((i, None) for i in range(self.num_blocks))
+        self._free = OrderedDict((i, None) for i in range(1, self.num_blocks))
         self._cached = {}
         self._events = []
 
@@ -71,8 +73,8 @@ class BlockPool:
         return len(self._free)
 
     def usage(self) -> float:
-        """vLLM's ``kv_cache_usage_perc``: referenced blocks over all blocks."""
-        return 1.0 - len(self._free) / self.num_blocks
+        """vLLM's ``kv_cache_usage_perc``: referenced blocks over usable blocks."""
+        return 1.0 - len(self._free) / (self.num_blocks - 1)
 
     def longest_hit(self, hashes: Sequence[BlockHash], max_blocks: int) -> list[int]:
         """Block ids of the longest cached prefix of ``hashes``, at most ``max_blocks`` long."""
@@ -172,7 +174,7 @@ class BlockPool:
 
     def reset(self) -> bool:
         """Drop every cached hash; refused (False) while any block is referenced, as in vLLM."""
-        if len(self._free) != self.num_blocks:
+        if len(self._free) != self.num_blocks - 1:
             return False
         for b in self._blocks:
             b.hash = None

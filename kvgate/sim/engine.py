@@ -259,7 +259,7 @@ class EngineCore:
                     req.hashes[a:full],
                     req.hashes[a - 1] if a > 0 else None,
                     req.tokens(a * bs, full * bs),
-                    self.hasher.first_block_extra_keys(req.cache_salt),
+                    (req.cache_salt,) if req.cache_salt else None,
                 )
                 req.num_cached_blocks = full
             if req.num_computed == req.known_len:

@@ -29,18 +29,22 @@ log = logging.getLogger(__name__)
 
 def encode_event(ev: KVEvent) -> dict[str, Any]:
     if isinstance(ev, BlockStored):
-        d: dict[str, Any] = {
+        # Field for field what vLLM 0.32 publishes (captured from a real worker): untagged per-block
+        # extra keys, the salt on the chain's first block only.
+        first = list(ev.extra_keys) if ev.extra_keys is not None and ev.parent_block_hash is None else None
+        return {
             "type": "BlockStored",
             "block_hashes": [event_int(h) for h in ev.block_hashes],
             "parent_block_hash": event_int(ev.parent_block_hash) if ev.parent_block_hash else None,
             "token_ids": list(ev.token_ids),
             "block_size": ev.block_size,
+            "lora_id": None,
             "medium": ev.medium,
+            "lora_name": None,
+            "extra_keys": [first] + [None] * (len(ev.block_hashes) - 1),
             "group_idx": 0,
+            "kv_cache_spec_kind": "full_attention",
         }
-        if ev.extra_keys is not None:
-            d["extra_keys"] = [list(ev.extra_keys)] + [None] * (len(ev.block_hashes) - 1)
-        return d
     if isinstance(ev, BlockRemoved):
         return {"type": "BlockRemoved", "block_hashes": [event_int(h) for h in ev.block_hashes],
                 "medium": ev.medium, "group_idx": 0}
@@ -49,7 +53,7 @@ def encode_event(ev: KVEvent) -> dict[str, Any]:
 
 
 def encode_batch(events: list[KVEvent], ts: float) -> bytes:
-    packed: bytes = msgpack.packb([ts, [encode_event(e) for e in events], None], use_bin_type=True)
+    packed: bytes = msgpack.packb([ts, [encode_event(e) for e in events], 0], use_bin_type=True)
     return packed
 
 

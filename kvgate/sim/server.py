@@ -136,8 +136,8 @@ class SimWorker:
             "prompt_tokens": len(req.prompt),
             "total_tokens": len(req.prompt) + completion,
             "completion_tokens": completion,
-            # vLLM reports details only when some tokens were cached.
-            "prompt_tokens_details": {"cached_tokens": cached} if cached else None,
+            # vLLM 0.32 with --enable-prompt-tokens-details always reports them, zero included.
+            "prompt_tokens_details": {"cached_tokens": cached},
         }
 
     async def _until_disconnect(self, request: Request, aw: Awaitable[T]) -> T | None:
