@@ -5,7 +5,8 @@ drained by ``take_events()``. Invariants:
 - a block is in ``_free`` iff its ref count is 0;
 - a block with a hash is in ``_cached`` under that hash, and vice versa (at most one block per hash);
 - a freed block keeps its hash (and stays a cache hit) until it is reused for something else, which
-  is when ``BlockRemoved`` is emitted — as vLLM does, never on free;
+  is when ``BlockRemoved`` is emitted — as vLLM does, never on free; freed blocks without a hash are
+  reused first;
 - block 0 is vLLM's null block: never allocated, so ``num_blocks`` (vLLM's ``num_gpu_blocks``) gives
   ``num_blocks - 1`` usable blocks, and eviction under ``--num-gpu-blocks-override`` matches vLLM's.
 """
@@ -164,13 +165,24 @@ class BlockPool:
         self._events.append(BlockStored(tuple(hashes[i] for i in run), parent, toks, bs, keys))
 
     def free(self, block_ids: Sequence[int]) -> None:
-        """Drop a request's references, tail first, so a chain's last blocks are evicted first."""
+        """Drop a request's references, tail first, so a chain's last blocks are evicted first.
+
+        As in vLLM 0.32: blocks that hold no cached hash go to the FRONT of the free queue (reused
+        first, LIFO), cached ones to the back (evicted last, LRU).
+        """
+        evict_first: list[int] = []
         for bid in reversed(block_ids):
             b = self._blocks[bid]
             assert b.ref_cnt > 0, f"block {bid} freed more often than referenced"
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
-                self._free[bid] = None
+                if b.hash is None:
+                    evict_first.append(bid)
+                else:
+                    self._free[bid] = None
+        for bid in reversed(evict_first):
+            self._free[bid] = None
+            self._free.move_to_end(bid, last=False)
 
     def reset(self) -> bool:
         """Drop every cached hash; refused (False) while any block is referenced, as in vLLM."""

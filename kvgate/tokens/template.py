@@ -41,7 +41,7 @@ def compile_template(source: str) -> jinja2.Template:
 
 
 def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """What vLLM hands the template: tool-call argument strings parsed into objects.
+    """What vLLM hands the template: text parts joined, tool-call argument strings parsed into objects.
 
     vLLM parses assistant ``tool_calls[].function.arguments`` from JSON strings into dicts before
     rendering (transformers' convention), so the template re-serialises them with ``tojson``. The
@@ -50,6 +50,12 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
     out: list[dict[str, Any]] = []
     for m in messages:
         msg = copy.deepcopy(dict(m))
+        content = msg.get("content")
+        if isinstance(content, list):
+            # vLLM flattens text parts with "\n" for templates that take string content (it detects
+            # the template's content format; ours reads strings).
+            msg["content"] = "\n".join(p.get("text", "") for p in content
+                                       if isinstance(p, dict) and p.get("type") == "text")
         if msg.get("role") == "assistant" and msg.get("tool_calls"):
             for call in msg["tool_calls"]:
                 fn = call.get("function") if isinstance(call, dict) else None
