@@ -146,18 +146,12 @@ class Proc:
     log: str
     url: str = ""
     meta: dict[str, object] = field(default_factory=dict)
+    start_ticks: int = 0
+    """The process's start time (``/proc/<pid>/stat``), so a recycled pid is never taken for ours."""
 
     def alive(self) -> bool:
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        # A recycled pid belongs to someone else: only trust processes whose environment is ours.
-        try:
-            env = Path(f"/proc/{self.pid}/environ").read_bytes()
-        except OSError:
-            return False
-        return f"KVGATE_ENGINE_TAG={self.name}".encode() in env
+        st = _proc_stat(self.pid)
+        return st is not None and st[0] != "Z" and st[1] == self.start_ticks
 
     def stop(self, timeout_s: float = 15.0) -> None:
         if not self.alive():
@@ -173,14 +167,27 @@ class Proc:
             os.waitpid(self.pid, 0)
 
 
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, start time in clock ticks) of a process, or None if there is none."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = raw[raw.rindex(")") + 2 :].split()  # the command name may contain spaces
+    return fields[0], int(fields[19])
+
+
 def _spawn(name: str, cmd: Sequence[str], env: dict[str, str], run_dir: Path) -> Proc:
     run_dir.mkdir(parents=True, exist_ok=True)
     log = run_dir / f"{name}.log"
     f = open(log, "wb")
-    p = subprocess.Popen(list(cmd), stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                         env={**os.environ, **env, "KVGATE_ENGINE_TAG": name})
+    full_env = {**os.environ, **env, "KVGATE_ENGINE_TAG": name}
+    if "PYTHONHASHSEED" not in env:
+        full_env.pop("PYTHONHASHSEED", None)
+    p = subprocess.Popen(list(cmd), stdout=f, stderr=subprocess.STDOUT, start_new_session=True, env=full_env)
     f.close()
-    return Proc(name, p.pid, str(log))
+    st = _proc_stat(p.pid)
+    return Proc(name, p.pid, str(log), start_ticks=st[1] if st else -1)
 
 
 def wait_http(proc: Proc, url: str, timeout_s: float) -> float:
@@ -212,6 +219,8 @@ class VllmWorker:
     num_gpu_blocks: int | None = None
     lmcache_port: int | None = None
     """Connect to LMCache's multiprocess server on this port (runs vLLM from the LMCache venv)."""
+    hash_seed: str | None = "0"
+    """``PYTHONHASHSEED`` of the worker; None leaves it unset (vLLM then seeds with "vllm-none-hash")."""
     extra_args: tuple[str, ...] = ()
 
 
@@ -257,7 +266,12 @@ class EngineSet:
                 "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
                                               "lmcache.mp.port": w.lmcache_port}})]
         args += list(w.extra_args)
-        p = _spawn(f"vllm-{w.port}", args, self._vllm_env(w.core), self.run_dir)
+        env = self._vllm_env(w.core)
+        if w.hash_seed is None:
+            env.pop("PYTHONHASHSEED")
+        else:
+            env["PYTHONHASHSEED"] = w.hash_seed
+        p = _spawn(f"vllm-{w.port}", args, env, self.run_dir)
         p.url = f"http://127.0.0.1:{w.port}"
         p.meta = asdict(w)
         self.procs.append(p)
