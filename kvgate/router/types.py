@@ -25,6 +25,12 @@ class WorkerView:
     """``vllm:num_requests_waiting`` at the last poll."""
     kv_usage: float = 0.0
     """``vllm:kv_cache_usage_perc``, 0..1."""
+    pending_prefill_tokens: int = 0
+    """Uncached prompt tokens of kvgate's requests on this worker that have not produced a first token."""
+    decode_requests: int = 0
+    """kvgate's requests on this worker that are past their first token."""
+    decode_tokens: int = 0
+    """Their total context (prompt + generated so far, estimated)."""
 
     @property
     def load(self) -> int:
@@ -59,9 +65,13 @@ class RouteRequest:
     home_worker: WorkerId | None = None
     """Where this conversation was last served, from the session store."""
     prompt_tokens: int = 0
-    """Estimated prompt length (0 when unknown)."""
+    """Prompt length in tokens (0 when unknown)."""
     exclude: frozenset[WorkerId] = frozenset()
     """Workers already tried for this request (retries)."""
+    matched_blocks: Mapping[WorkerId, int] = field(default_factory=dict)
+    """Longest cached prefix of the prompt on each worker, in blocks (the index's answer, computed once
+    per request so that every scorer reads the same result)."""
+    block_size: int = 16
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvgate.router.hashing import BlockHash
 
@@ -51,31 +51,37 @@ class _Block:
     hash: BlockHash | None = None
 
 
-@dataclass(slots=True)
 class BlockPool:
-    num_blocks: int
-    block_size: int
-    _blocks: list[_Block] = field(init=False)
-    _free: OrderedDict[int, None] = field(init=False)
-    _cached: dict[BlockHash, int] = field(init=False)
-    _events: list[KVEvent] = field(init=False)
+    """The free queue is vLLM's, in three parts, front to back: uncached blocks freed recently (reused
+    first, LIFO), blocks never used yet (in id order), then freed blocks in LRU order. Never-used blocks
+    are a counter, so a pool of millions of blocks costs memory only for the blocks touched."""
 
-    def __post_init__(self) -> None:
-        if self.num_blocks < 2 or self.block_size <= 0:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 2 or block_size <= 0:
             raise ValueError("num_blocks must be >= 2 (one is the null block) and block_size positive")
-        self._blocks = [_Block(i) for i in range(self.num_blocks)]
-        self._free = OrderedDict((i, None) for i in range(1, self.num_blocks))
-        self._cached = {}
-        self._events = []
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._blocks: dict[int, _Block] = {}
+        self._front: list[int] = []  # a stack: the last prepended is reused first
+        self._next_fresh = 1  # block 0 is the null block
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._cached: dict[BlockHash, int] = {}
+        self._events: list[KVEvent] = []
+
+    def _block(self, bid: int) -> _Block:
+        b = self._blocks.get(bid)
+        if b is None:
+            b = self._blocks[bid] = _Block(bid)
+        return b
 
     # -- queries -------------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._front) + (self.num_blocks - self._next_fresh) + len(self._lru)
 
     def usage(self) -> float:
         """vLLM's ``kv_cache_usage_perc``: referenced blocks over usable blocks."""
-        return 1.0 - len(self._free) / (self.num_blocks - 1)
+        return 1.0 - self.num_free / (self.num_blocks - 1)
 
     def longest_hit(self, hashes: Sequence[BlockHash], max_blocks: int) -> list[int]:
         """Block ids of the longest cached prefix of ``hashes``, at most ``max_blocks`` long."""
@@ -88,7 +94,8 @@ class BlockPool:
         return hit
 
     def is_free(self, block_id: int) -> bool:
-        return block_id in self._free
+        b = self._blocks.get(block_id)
+        return b is None or b.ref_cnt == 0
 
     def is_cached(self, h: BlockHash) -> bool:
         return h in self._cached
@@ -102,24 +109,31 @@ class BlockPool:
         for bid in block_ids:
             b = self._blocks[bid]
             if b.ref_cnt == 0:
-                del self._free[bid]
+                del self._lru[bid]  # a cached block that is free sits in the LRU part
             b.ref_cnt += 1
+
+    def _pop_free(self) -> int:
+        if self._front:
+            return self._front.pop()
+        if self._next_fresh < self.num_blocks:
+            self._next_fresh += 1
+            return self._next_fresh - 1
+        return self._lru.popitem(last=False)[0]
 
     def allocate(self, n: int) -> list[int] | None:
         """``n`` fresh blocks, evicting the least recently freed cached ones; None if too few are free."""
-        if n > len(self._free):
+        if n > self.num_free:
             return None
         out: list[int] = []
         removed: list[BlockHash] = []
         for _ in range(n):
-            bid, _ = self._free.popitem(last=False)
-            b = self._blocks[bid]
+            b = self._block(self._pop_free())
             if b.hash is not None:
                 del self._cached[b.hash]
                 removed.append(b.hash)
                 b.hash = None
             b.ref_cnt = 1
-            out.append(bid)
+            out.append(b.id)
         for h in removed:
             # One event per evicted block, as vLLM publishes them.
             self._events.append(BlockRemoved((h,)))
@@ -133,7 +147,7 @@ class BlockPool:
         token_ids: Sequence[int],
         extra_keys: tuple[object, ...] | None = None,
     ) -> None:
-        """Mark newly full blocks as cached under their hashes and emit one BlockStored for them."""
+        """Mark newly full blocks as cached under their hashes and emit BlockStored for them."""
         assert len(block_ids) == len(hashes), "one hash per block"
         assert len(token_ids) == len(hashes) * self.block_size, "token_ids must cover the blocks exactly"
         run: list[int] = []  # indexes of a contiguous run of newly stored blocks
@@ -145,7 +159,6 @@ class BlockPool:
                 # and close the current run so every event's tokens match its hashes.
                 self._emit_stored(run, hashes, token_ids, prev, extra_keys)
                 run = []
-                prev = h
                 continue
             b.hash = h
             self._cached[h] = bid
@@ -179,16 +192,15 @@ class BlockPool:
                 if b.hash is None:
                     evict_first.append(bid)
                 else:
-                    self._free[bid] = None
-        for bid in reversed(evict_first):
-            self._free[bid] = None
-            self._free.move_to_end(bid, last=False)
+                    self._lru[bid] = None
+        # prepend_n(evict_first): its first element ends up at the very front.
+        self._front.extend(reversed(evict_first))
 
     def reset(self) -> bool:
         """Drop every cached hash; refused (False) while any block is referenced, as in vLLM."""
-        if len(self._free) != self.num_blocks - 1:
+        if self.num_free != self.num_blocks - 1:
             return False
-        for b in self._blocks:
+        for b in self._blocks.values():
             b.hash = None
         self._cached.clear()
         self._events.append(AllBlocksCleared())

@@ -274,6 +274,55 @@ class EngineCore:
                 outs.append(TokenOutput(req, tok, done))
         return outs
 
+    def decode_burst(self, max_ms: float) -> tuple[int, float]:
+        """Run consecutive pure-decode steps at once, for virtual-time drivers: up to the step before the
+        first request would finish, within ``max_ms``, and only while nothing waits and no step would
+        need to evict. Returns (steps, elapsed ms); (0, 0) when the normal path must run.
+
+        Same tokens, timing and cached blocks as the step-by-step path; only the order in which block
+        ids are taken within the burst differs (each request takes its new blocks together).
+        """
+        if self.waiting or not self.running:
+            return 0, 0.0
+        bs = self.block_size
+        for r in self.running:
+            if r.known_len - r.num_computed != 1:
+                return 0, 0.0
+        k_max = min(len(r.output) - r.generated for r in self.running) - 1
+        if k_max < 2:
+            return 0, 0.0
+        batch = len(self.running)
+        ctx = sum(r.known_len for r in self.running)
+        elapsed, k = 0.0, 0
+        while k < k_max:
+            dt = self.profile.decode_ms(batch, ctx + batch * k)
+            if elapsed + dt > max_ms:
+                break
+            elapsed += dt
+            k += 1
+        if k < 2:
+            return 0, 0.0
+        need = sum(-(-(r.num_computed + k) // bs) - len(r.blocks) for r in self.running)
+        if need > self.pool.num_free:
+            return 0, 0.0  # would preempt: leave it to the step-by-step path
+        for r in self.running:
+            new_blocks = -(-(r.num_computed + k) // bs) - len(r.blocks)
+            if new_blocks > 0:
+                got = self.pool.allocate(new_blocks)
+                assert got is not None, "free count was checked"
+                r.blocks.extend(got)
+            r.num_computed += k
+            r.generated += k
+            full = r.num_computed // bs
+            if full > r.num_cached_blocks:
+                self._ensure_hashes(r, full)
+                a = r.num_cached_blocks
+                self.pool.cache_blocks(r.blocks[a:full], r.hashes[a:full], r.hashes[a - 1] if a > 0 else None,
+                                       r.tokens(a * bs, full * bs), (r.cache_salt,) if r.cache_salt else None)
+                r.num_cached_blocks = full
+        self.stats.generation_tokens += k * batch
+        return k, elapsed
+
     def _finish(self, req: SimRequest, now: float) -> None:
         self.running.remove(req)
         self.pool.free(req.blocks)

@@ -14,6 +14,10 @@ A mixed step adds both, as Dynamo's mocker does.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvgate.router.cost import CostParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +57,16 @@ class TimingProfile:
 
     def step_ms(self, chunks: list[tuple[int, int]], decode_batch: int, decode_context: int) -> float:
         return self.prefill_ms(chunks) + self.decode_ms(decode_batch, decode_context)
+
+    def cost_params(self, **overrides: float) -> CostParams:
+        """The router's cost model calibrated to this profile (what an operator measures and sets)."""
+        from kvgate.router.cost import CostParams
+
+        return CostParams(p0_ms=self.p0, p1_ms=self.p1, p2_ms=self.p2, p_attn_ms=self.p_attn,
+                          decode_ms=max(self.d_min, self.d0), decode_ms_per_request=self.d_seq,
+                          decode_u1_ms=self.d1, decode_u2_ms=self.d2,
+                          kv_capacity_tokens=self.num_blocks * self.block_size,
+                          token_budget=self.max_num_batched_tokens, **overrides)
 
     def with_overrides(self, **kw: int | float | str) -> TimingProfile:
         return replace(self, **kw)  # type: ignore[arg-type]

@@ -1,0 +1,1 @@
+"""Benchmarks: trace replay on simulated fleets in virtual time, and peer comparisons."""
