@@ -101,6 +101,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     b.add_argument("out", nargs="?")
     b.add_argument("--weights", action="store_true")
 
+    bn = sub.add_parser("bench", help="benchmarks: `kvgate bench mooncake [--quick]`")
+    bn.add_argument("which", choices=["mooncake"])
+    bn.add_argument("--trace", help="Mooncake trace (default: ../shared/data/mooncake/conversation_trace.jsonl)")
+    bn.add_argument("--out", default="bench-out")
+    bn.add_argument("--quick", action="store_true", help="first 3000 requests only")
+    bn.add_argument("--no-dynamo", action="store_true", help="skip Dynamo's replay")
+
     dv = sub.add_parser("dev", help="developer tools: `kvgate dev engines up|down|status|install`")
     dv.add_argument("tool", choices=["engines"])
     dv.add_argument("rest", nargs=argparse.REMAINDER)
@@ -116,6 +123,13 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         logging.getLogger().setLevel(logging.WARNING)
         asyncio.run(run_demo(args.workers, args.profile))
+    elif args.cmd == "bench":
+        from pathlib import Path
+
+        from kvgate.bench import mooncake
+
+        mooncake.run(Path(args.trace) if args.trace else mooncake.DEFAULT_TRACE, Path(args.out), args.quick,
+                     not args.no_dynamo)
     elif args.cmd == "dev":
         from kvgate.dev.engines import cli as engines_cli
 

@@ -15,7 +15,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvgate.dev.engines import EngineError, engines_dir, ensure_venv
+from kvgate.dev.engines import EngineError, ensure_venv
 
 DYNAMO_SPEC = "ai-dynamo==1.6.1"
 

@@ -37,6 +37,7 @@ class Result:
     output: int
     expected_cached: int
     route_s: float
+    predicted_ttft_ms: float | None = None
     cached: int = -1
     first_token: float | None = None
     finish: float | None = None
@@ -48,6 +49,7 @@ class _Acct:
 
     in_flight: int = 0
     pending_prefill: int = 0
+    pending_requests: int = 0
     decode_requests: int = 0
     decode_tokens: int = 0
 
@@ -95,7 +97,7 @@ class FleetSim:
         self.route_wall_s = 0.0
 
     # -- routing -----------------------------------------------------------------------------------
-    def _route(self, r: TraceRequest, hashes: list[int], now: float) -> tuple[int, int]:
+    def _route(self, r: TraceRequest, hashes: list[int], now: float) -> tuple[int, int, float | None]:
         t0 = time.perf_counter()
         matched: dict[WorkerId, int] = {}
         if self.mode == "kvgate_precise":
@@ -105,7 +107,8 @@ class FleetSim:
             matched = self.approx.index.match(hashes)
         views = tuple(
             WorkerView(wid, "m", True, a.in_flight, pending_prefill_tokens=a.pending_prefill,
-                       decode_requests=a.decode_requests, decode_tokens=a.decode_tokens)
+                       pending_requests=a.pending_requests, decode_requests=a.decode_requests,
+                       decode_tokens=a.decode_tokens)
             for wid, a in zip(self.ids, self.acct, strict=True))
         key = r.conversation_key
         req = RouteRequest("m", ConversationId(key), self.home.get(key), prompt_tokens=r.input_length,
@@ -116,7 +119,7 @@ class FleetSim:
         if self.mode == "kvgate_approx":
             self.approx.record(d.worker, hashes, now)
         self.route_wall_s += time.perf_counter() - t0
-        return self.ids.index(d.worker), d.expected_cached_tokens
+        return self.ids.index(d.worker), d.expected_cached_tokens, d.scores.get(d.worker)
 
     # -- events from the engines -------------------------------------------------------------------
     def _apply_events(self, w: int, events: list[KVEvent]) -> None:
@@ -173,7 +176,7 @@ class FleetSim:
                 bh = self.tokens.block_hashes(r)
                 ints = [event_int(h) for h in bh]
                 t0 = time.perf_counter()
-                w, expected = self._route(r, ints, now)
+                w, expected, predicted = self._route(r, ints, now)
                 route_s = time.perf_counter() - t0
                 rid = str(r.id)
                 sr = SimRequest(rid, self.tokens.tokens(r), [0] * r.output_length, arrival=now)
@@ -183,7 +186,9 @@ class FleetSim:
                 a.in_flight += 1
                 mine[rid] = max(1, r.input_length - expected)
                 a.pending_prefill += mine[rid]
-                results[rid] = Result(r.id, w, now, r.input_length, r.output_length, expected, route_s)
+                a.pending_requests += 1
+                results[rid] = Result(r.id, w, now, r.input_length, r.output_length, expected, route_s,
+                                      predicted if self.mode.startswith("kvgate") else None)
                 if not busy[w]:
                     start(w, now)
                 continue
@@ -199,6 +204,7 @@ class FleetSim:
                         res.first_token = now
                         res.cached = o.request.num_cached_tokens
                         a.pending_prefill -= mine[o.request.id]
+                        a.pending_requests -= 1
                         a.decode_requests += 1
                         a.decode_tokens += res.prompt
                     if o.finished:

@@ -9,7 +9,13 @@ For each eligible worker::
     TTFT     = prefill(ahead + mine, in budget-sized passes) + attention(mine over cached context)
                + steps · decode step of the batch already decoding there
 
-The worker with the lowest estimate wins; the conversation's home worker gets ``affinity_bonus_ms``
+A request also delays the requests already waiting there for their first token: the engine packs
+their chunks and ours into the same pass, and the pass takes longer for everyone in it. That delay,
+``waiting · (prefill(ahead + ours in that pass) − prefill(ahead))``, is added with
+``externality_weight`` (0 gives the greedy newcomer-only choice; 1 minimises the fleet's mean TTFT,
+which measured 232 → see docs/routing.md for the numbers).
+
+The worker with the lowest cost wins; the conversation's home worker gets ``affinity_bonus_ms``
 as a tie-breaker prior, and a worker above ``(1 + load_epsilon)·mean + 1`` in-flight requests is left
 out (bounded load), so no estimate error can pile a fleet's traffic on one worker.
 """
@@ -37,6 +43,8 @@ class CostParams(BaseModel):
     kv_capacity_tokens: int = Field(1_048_576, gt=0, description="KV capacity of one worker, for u")
     token_budget: int = Field(8192, gt=0, description="max tokens in one engine step")
     affinity_bonus_ms: float = Field(2.0, ge=0, description="prior for the conversation's home worker")
+    externality_weight: float = Field(1.0, ge=0, description="weight of the delay a request imposes on the "
+                                      "requests already waiting for their first token on a worker")
     load_epsilon: float = Field(1.0, ge=0, description="bounded load: (1+eps)*mean+1 in-flight at most")
 
 
@@ -64,6 +72,22 @@ class CostModel:
         decode = len(passes) * self.decode_step_ms(w) if w.decode_requests else 0.0
         return prefill + attention + decode
 
+    def delay_to_others_ms(self, request: RouteRequest, w: WorkerView) -> float:
+        """How much longer the requests already waiting on ``w`` take, summed over them."""
+        if w.pending_requests <= 0:
+            return 0.0
+        p = self.params
+        mine = max(1, request.prompt_tokens - self.cached_tokens(request, w))
+        ahead_in_pass = w.pending_prefill_tokens % p.token_budget
+        shared = min(mine, max(0, p.token_budget - ahead_in_pass))
+        if shared == 0:
+            return 0.0
+
+        def pre(t: int) -> float:
+            return p.p1_ms * t + p.p2_ms * t * t
+
+        return w.pending_requests * (pre(ahead_in_pass + shared) - pre(ahead_in_pass))
+
     def decode_step_ms(self, w: WorkerView) -> float:
         """The decode part of every pass while this worker's batch keeps decoding."""
         p = self.params
@@ -78,7 +102,8 @@ class CostModel:
         mean = sum(w.in_flight for w in workers) / len(workers)
         cap = (1 + self.params.load_epsilon) * mean + 1
         eligible = [w for w in workers if w.in_flight < cap] or workers
-        scores = {w.id: self.ttft_ms(request, w) for w in eligible}
+        scores = {w.id: self.ttft_ms(request, w) + self.params.externality_weight * self.delay_to_others_ms(request, w)
+                  for w in eligible}
         home = request.home_worker
 
         def key(w: WorkerView) -> tuple[float, str]:

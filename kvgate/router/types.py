@@ -27,6 +27,8 @@ class WorkerView:
     """``vllm:kv_cache_usage_perc``, 0..1."""
     pending_prefill_tokens: int = 0
     """Uncached prompt tokens of kvgate's requests on this worker that have not produced a first token."""
+    pending_requests: int = 0
+    """How many requests those pending prefill tokens belong to."""
     decode_requests: int = 0
     """kvgate's requests on this worker that are past their first token."""
     decode_tokens: int = 0
