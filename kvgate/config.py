@@ -19,8 +19,10 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from kvgate.router.cost import CostParams
+
 EngineKind = Literal["vllm", "sglang", "sim"]
-PolicyName = Literal["round_robin", "least_loaded", "session_affinity"]
+PolicyName = Literal["round_robin", "least_loaded", "session_affinity", "cost_model"]
 
 
 class WorkerConfig(BaseModel):
@@ -29,6 +31,14 @@ class WorkerConfig(BaseModel):
     engine: EngineKind = "vllm"
     id: str = ""
     """Stable name used in metrics and decisions; defaults to host:port."""
+    block_size: int = Field(16, gt=0)
+    """The engine's KV block size (vLLM: 16 on GPU, 128 on CPU)."""
+    hash_algo: Literal["sha256", "sha256_cbor"] = "sha256"
+    """The engine's ``--prefix-caching-hash-algo``."""
+    kv_events: str | None = None
+    """ZMQ endpoint of the worker's KV events (tcp://host:port); ``auto`` asks its /kv_event_sources;
+    none: kvgate routes on what it sent there (approximate mode)."""
+    kv_replay: str | None = None
 
     @field_validator("url")
     @classmethod
@@ -75,7 +85,7 @@ class GatewaySettings(_YamlSettings):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     workers: list[WorkerConfig] = Field(default_factory=list)
-    policy: PolicyName = "session_affinity"
+    policy: PolicyName = "cost_model"
     affinity_epsilon: float = Field(0.25, ge=0.0, le=10.0)
     """Bounded load: a worker above (1+epsilon)·mean load takes no more sessions."""
     conversation_headers: list[str] = Field(default_factory=lambda: ["x-conversation-id", "x-session-id"])
@@ -91,6 +101,19 @@ class GatewaySettings(_YamlSettings):
     drain_timeout_s: float = Field(30.0, ge=0)
     session_ttl_s: float = Field(3600.0, gt=0)
     max_sessions: int = Field(100_000, ge=1)
+    session_store: Literal["memory", "redis"] = "memory"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    tokenizers: dict[str, str] = Field(default_factory=dict)
+    """Model name -> local tokenizer directory (tokenizer.json + tokenizer_config.json). Models without
+    one are tokenized by a worker's /tokenize."""
+    hash_seed: str | None = Field(default_factory=lambda: os.environ.get("PYTHONHASHSEED"))
+    """The workers' PYTHONHASHSEED (vLLM derives its root block hash from it)."""
+    approx_ttl_s: float = Field(120.0, gt=0)
+    """Approximate mode: how long a routed prompt is assumed to stay cached on its worker."""
+    cost: CostParams = Field(default_factory=CostParams)
+    """Cost-model parameters; tunable at run time through PATCH /admin/policy."""
+    max_tracked_conversations: int = Field(10_000, ge=0)
+    """Conversations whose prompt tokens and block hashes are kept for incremental hashing."""
 
     @field_validator("conversation_headers")
     @classmethod

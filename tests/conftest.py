@@ -63,15 +63,26 @@ class Cluster:
 async def make_cluster(model_dir: Path) -> AsyncIterator[Any]:
     clusters: list[Cluster] = []
 
-    async def make(n: int = 2, sim: dict[str, Any] | None = None, **gw: Any) -> Cluster:
+    async def make(n: int = 2, sim: dict[str, Any] | None = None, events: bool = False, tokenizer: bool = True,
+                   **gw: Any) -> Cluster:
+        """``events``: the simulated workers publish KV events and the gateway subscribes (precise mode);
+        otherwise the cost model runs on what it routed (approximate mode)."""
         c = Cluster()
         clusters.append(c)
         for _ in range(n):
-            w = SimWorker(SimSettings(model_dir=str(model_dir), hash_seed="0", **(sim or {"speed": 20.0})))
+            extra: dict[str, Any] = dict(sim or {"speed": 20.0})
+            if events:
+                extra["kv_events_endpoint"] = f"tcp://127.0.0.1:{free_port()}"
+                extra["kv_replay_endpoint"] = f"tcp://127.0.0.1:{free_port()}"
+            w = SimWorker(SimSettings(model_dir=str(model_dir), hash_seed="0", **extra))
             c.sims.append((w, await start_server(w.build_app())))
         gw.setdefault("health_interval_s", 0.2)
-        settings = GatewaySettings(workers=[WorkerConfig(url=h.url, model=MODEL, engine="sim") for _, h in c.sims],
-                                   **gw)
+        gw.setdefault("hash_seed", "0")
+        if tokenizer:
+            gw.setdefault("tokenizers", {MODEL: str(model_dir)})
+        settings = GatewaySettings(
+            workers=[WorkerConfig(url=h.url, model=MODEL, engine="sim", block_size=w.profile.block_size,
+                                  kv_events="auto" if events else None) for w, h in c.sims], **gw)
         c.gateway_handle = await start_server(create_app(settings))
         return c
 

@@ -33,7 +33,8 @@ async def start_sims(spawn: Any, model_dir: Path, n: int, *extra: str) -> list[t
 async def test_worker_killed_between_turns_next_turn_served_elsewhere(spawn: Any, model_dir: Path) -> None:
     sims = await start_sims(spawn, model_dir, 3, "--speed", "20")
     settings = GatewaySettings(workers=[WorkerConfig(url=u, model=MODEL, engine="sim") for _, u in sims],
-                               health_interval_s=30)  # the health check must not be what saves us
+                               health_interval_s=30,  # the health check must not be what saves us
+                               policy="session_affinity")
     gw = await start_server(create_app(settings))
     try:
         oc = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)

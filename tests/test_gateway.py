@@ -44,7 +44,7 @@ async def eventually(pred: Any, timeout_s: float = 5.0) -> None:
 
 
 async def test_non_streaming_chat(make_cluster: Any) -> None:
-    c = await make_cluster(2)
+    c = await make_cluster(2, policy="session_affinity")
     raw = await client(c).chat.completions.with_raw_response.create(
         model=MODEL, messages=[{"role": "user", "content": "hello"}], extra_headers={"x-conversation-id": "c1"})
     resp = raw.parse()
@@ -96,7 +96,7 @@ async def run_agent(oc: openai.AsyncOpenAI, conv: str | None, steps: int,
 
 
 async def test_session_sticks_and_cached_tokens_grow(make_cluster: Any) -> None:
-    c = await make_cluster(3)
+    c = await make_cluster(3, policy="session_affinity")
     turns = await run_agent(client(c), "agent-1", 5)
     assert len({w for w, _, _ in turns}) == 1
     cached = [ct for _, _, ct in turns]
@@ -108,14 +108,14 @@ async def test_session_sticks_and_cached_tokens_grow(make_cluster: Any) -> None:
 
 
 async def test_stateless_client_is_sticky_by_derived_key(make_cluster: Any) -> None:
-    c = await make_cluster(3)
+    c = await make_cluster(3, policy="session_affinity")
     turns = await run_agent(client(c), None, 3)
     assert len({w for w, _, _ in turns}) == 1
     assert await metric(c, "kvgate_conversation_id_source_total", source="derived") == 3
 
 
 async def test_sessions_are_spread_over_workers(make_cluster: Any) -> None:
-    c = await make_cluster(3)
+    c = await make_cluster(3, policy="session_affinity")
     oc = client(c)
     workers = set()
     for i in range(12):

@@ -12,9 +12,10 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvgate.bench.trace import TraceRequest, TraceTokens
+from kvgate.router.approx import ApproxIndex
 from kvgate.router.cost import CostModel, CostParams
 from kvgate.router.hashing import VllmHasher, event_int
 from kvgate.router.index import PrefixIndex
@@ -54,26 +55,6 @@ class _Acct:
     decode_tokens: int = 0
 
 
-@dataclass
-class ApproxIndex:
-    """No events: assume a routed prompt's blocks stay on its worker for ``ttl_s`` (llm-d, Dynamo)."""
-
-    ttl_s: float
-    index: PrefixIndex = field(default_factory=PrefixIndex)
-    _expiry: list[tuple[float, int, WorkerId, tuple[int, ...]]] = field(default_factory=list)
-    _seq: int = 0
-
-    def record(self, worker: WorkerId, hashes: Sequence[int], now: float) -> None:
-        self.index.store(worker, hashes)
-        self._seq += 1
-        heapq.heappush(self._expiry, (now + self.ttl_s, self._seq, worker, tuple(hashes)))
-
-    def expire(self, now: float) -> None:
-        while self._expiry and self._expiry[0][0] <= now:
-            _, _, w, hs = heapq.heappop(self._expiry)
-            self.index.remove(w, hs)
-
-
 class FleetSim:
     def __init__(self, n_workers: int, profile: TimingProfile, mode: str, *,
                  cost: CostParams | None = None, approx_ttl_s: float = 120.0, hash_seed: str = "0") -> None:
@@ -103,8 +84,7 @@ class FleetSim:
         if self.mode == "kvgate_precise":
             matched = self.index.match(hashes)
         elif self.mode == "kvgate_approx":
-            self.approx.expire(now)
-            matched = self.approx.index.match(hashes)
+            matched = self.approx.match(hashes, now)
         views = tuple(
             WorkerView(wid, "m", True, a.in_flight, pending_prefill_tokens=a.pending_prefill,
                        pending_requests=a.pending_requests, decode_requests=a.decode_requests,

@@ -7,6 +7,7 @@ import logging
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,17 +16,24 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvgate.clock import Clock, MonotonicClock
 from kvgate.config import GatewaySettings
 from kvgate.errors import error_body
+from kvgate.gateway.kvevents import KvEventSubscriber
+from kvgate.gateway.prefix import PrefixKnowledge
+from kvgate.gateway.prompts import PromptBuilder
 from kvgate.gateway.proxy import Proxy
-from kvgate.gateway.telemetry import GatewayMetrics
+from kvgate.gateway.telemetry import GatewayMetrics, PrefixCollector
 from kvgate.gateway.workers import WorkerPool
 from kvgate.kvstore.sessions import MemorySessionStore, SessionStore
-from kvgate.router.policies import make_policy
+from kvgate.router.cost import CostModel, CostParams
+from kvgate.router.hashing import VllmHasher
+from kvgate.router.policies import Policy, make_policy
 from kvgate.router.types import ConversationId
+from kvgate.tokens.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -54,18 +62,48 @@ class Gateway:
         self.client = make_client(timeout)
         self.pool = WorkerPool(settings.workers, self.client, self.clock, settings.health_interval_s,
                                settings.health_timeout_s)
-        params = {"epsilon": settings.affinity_epsilon} if settings.policy == "session_affinity" else {}
-        self.policy = make_policy(settings.policy, **params)
+        self.cost = CostModel(settings.cost.model_copy())
+        if settings.policy == "cost_model":
+            self.policy: Policy = self.cost
+        else:
+            params = {"epsilon": settings.affinity_epsilon} if settings.policy == "session_affinity" else {}
+            self.policy = make_policy(settings.policy, **params)
         self.sessions = sessions or MemorySessionStore(self.clock, settings.session_ttl_s, settings.max_sessions)
-        self.proxy = Proxy(settings, self.pool, self.policy, self.sessions, self.metrics, self.client, self.clock)
+        self.prefix = PrefixKnowledge(settings.workers, settings.approx_ttl_s)
+        self.subscriber = KvEventSubscriber(self.prefix.events, settings.workers, self.client)
+        tokenizers = {m: ChatTokenizer(Path(d)) for m, d in settings.tokenizers.items()}
+        hashers = {w.model: VllmHasher(w.block_size, w.hash_algo, settings.hash_seed) for w in settings.workers}
+        self.prompts = PromptBuilder(tokenizers, hashers, self._worker_tokenize, settings.max_tracked_conversations)
+        self.proxy = Proxy(settings, self.pool, self.policy, self.sessions, self.metrics, self.client, self.clock,
+                           self.prompts, self.prefix)
+        self.metrics.registry.register(PrefixCollector(self))
         self.draining = False
+
+    async def _worker_tokenize(self, model: str, body: dict[str, Any]) -> list[int] | None:
+        """Tokens from the first healthy worker of ``model`` that answers /tokenize."""
+        for w in self.pool.all():
+            if w.config.model != model or not w.healthy:
+                continue
+            try:
+                r = await self.client.post(f"{w.config.url}/tokenize", json=body, timeout=5.0)
+            except httpx.HTTPError:
+                continue
+            if r.status_code == 200:
+                toks = r.json().get("tokens")
+                if isinstance(toks, list):
+                    return [int(t) for t in toks]
+        return None
 
     async def start(self) -> None:
         await self.pool.check_all()  # know who is healthy before the first request
+        await self.subscriber.start()
+        for model in self.pool.models():
+            await self.prompts.check_parity(model)
         self.pool.start()
 
     async def stop(self) -> None:
         await self.pool.stop()
+        await self.subscriber.stop()
         await self.client.aclose()
 
     def refresh_gauges(self) -> None:
@@ -129,6 +167,33 @@ def create_app(settings: GatewaySettings, clock: Clock | None = None,
         gw.refresh_gauges()
         gw.metrics.sessions.set(await gw.sessions.count())
         return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/admin/policy")
+    async def get_policy() -> dict[str, Any]:
+        return {"policy": gw.policy.name, "cost": gw.cost.params.model_dump()}
+
+    @app.patch("/admin/policy")
+    async def patch_policy(request: Request) -> JSONResponse:
+        try:
+            changes = await request.json()
+        except json.JSONDecodeError:
+            return JSONResponse(error_body("body is not valid JSON", "invalid_request_error", None, "invalid_json"),
+                                status_code=400)
+        cost = changes.get("cost") if isinstance(changes, dict) else None
+        if not isinstance(cost, dict):
+            return JSONResponse(error_body("expected {\"cost\": {field: value}}", "invalid_request_error", "cost",
+                                           "invalid_type"), status_code=400)
+        try:
+            # Validate the whole new parameter set, then swap it in at once: no half-applied change.
+            new = CostParams.model_validate({**gw.cost.params.model_dump(), **cost})
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            return JSONResponse(error_body(f"cost.{'.'.join(str(x) for x in err['loc'])}: {err['msg']}",
+                                           "invalid_request_error", f"cost.{err['loc'][0]}", "invalid_value"),
+                                status_code=422)
+        gw.cost.params = new
+        log.info("cost model parameters changed: %s", cost)
+        return JSONResponse({"policy": gw.policy.name, "cost": new.model_dump()})
 
     @app.get("/admin/workers")
     async def workers() -> dict[str, Any]:

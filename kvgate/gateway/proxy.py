@@ -24,6 +24,8 @@ from kvgate.clock import Clock
 from kvgate.config import GatewaySettings
 from kvgate.errors import ApiError, BadRequest, NotFound, PayloadTooLarge, ServiceUnavailable
 from kvgate.gateway import identity
+from kvgate.gateway.prefix import PrefixKnowledge
+from kvgate.gateway.prompts import Prompt, PromptBuilder
 from kvgate.gateway.requests import KVGATE_FIELDS, validate_chat, validate_completion
 from kvgate.gateway.sse import SseEvent, SseSplitter, error_event
 from kvgate.gateway.telemetry import GatewayMetrics
@@ -69,13 +71,19 @@ class _Ctx:
     session: Session | None
     decision: Decision
     started: float
+    prompt: Prompt
     ttft_s: float | None = None
     usage: Usage | None = None
+
+    @property
+    def prefill_tokens(self) -> int:
+        return max(1, self.prompt.length - self.decision.expected_cached_tokens)
 
 
 class Proxy:
     def __init__(self, settings: GatewaySettings, pool: WorkerPool, policy: Policy, sessions: SessionStore,
-                 metrics: GatewayMetrics, client: httpx.AsyncClient, clock: Clock) -> None:
+                 metrics: GatewayMetrics, client: httpx.AsyncClient, clock: Clock, prompts: PromptBuilder,
+                 prefix: PrefixKnowledge) -> None:
         self.settings = settings
         self.pool = pool
         self.policy = policy
@@ -83,6 +91,8 @@ class Proxy:
         self.metrics = metrics
         self.client = client
         self.clock = clock
+        self.prompts = prompts
+        self.prefix = prefix
 
     # -- entry ---------------------------------------------------------------------------------
     async def handle(self, request: Request, endpoint: Endpoint) -> Response:
@@ -106,6 +116,8 @@ class Proxy:
                                  self.settings.tenant_header)
         self.metrics.conversation_source.labels(ident.source.split(":")[0]).inc()
         session = await self.sessions.get(ident.conversation_id)
+        prompt = await self.prompts.prepare(model, endpoint, body, ident.conversation_id)
+        self.metrics.prompt_source.labels(prompt.source).inc()
         fwd = {k: v for k, v in body.items() if k not in KVGATE_FIELDS}
         stream = bool(body.get("stream"))
         hide_usage = False
@@ -117,8 +129,8 @@ class Proxy:
                 hide_usage = True
         headers = {k: v for k, v in request.headers.items() if k in _FORWARD_HEADERS}
         payload = json.dumps(fwd).encode()
-        return await self._route_and_send(request, endpoint, model, ident, session, payload, headers, stream,
-                                          hide_usage)
+        return await self._route_and_send(request, endpoint, model, ident, session, prompt, payload, headers,
+                                          stream, hide_usage)
 
     async def _read_json(self, request: Request) -> dict[str, Any]:
         limit = self.settings.max_body_bytes
@@ -141,13 +153,17 @@ class Proxy:
 
     # -- routing and retries -------------------------------------------------------------------
     async def _route_and_send(self, request: Request, endpoint: Endpoint, model: str, ident: identity.Identity,
-                              session: Session | None, payload: bytes, headers: dict[str, str], stream: bool,
-                              hide_usage: bool) -> Response:
+                              session: Session | None, prompt: Prompt, payload: bytes, headers: dict[str, str],
+                              stream: bool, hide_usage: bool) -> Response:
         tried: set[WorkerId] = set()
         last_error = ""
+        fleet = self.pool.snapshot(model)
+        matched = self.prefix.match(model, prompt.hashes, [w.id for w in fleet.workers], self.clock.now())
         for attempt in range(self.settings.max_attempts):
             rreq = RouteRequest(model=model, conversation_id=ident.conversation_id,
-                                home_worker=session.home_worker if session else None, exclude=frozenset(tried))
+                                home_worker=session.home_worker if session else None, exclude=frozenset(tried),
+                                prompt_tokens=prompt.length, matched_blocks=matched,
+                                block_size=self.prefix.block_size(model))
             decision = self.policy.pick(rreq, self.pool.snapshot(model))
             if decision is None:
                 break
@@ -156,9 +172,9 @@ class Proxy:
             self.metrics.route_decisions.labels(self.policy.name, decision.reason).inc()
             wid = decision.worker
             tried.add(wid)
-            ctx = _Ctx(endpoint, model, ident, session, decision, self.clock.now())
+            ctx = _Ctx(endpoint, model, ident, session, decision, self.clock.now(), prompt)
             worker = self.pool.get(wid)
-            self.pool.acquire(wid)
+            self.pool.acquire(wid, ctx.prefill_tokens)
             released = False
             try:
                 upstream = await self._until_disconnect(request, self.client.send(
@@ -171,6 +187,8 @@ class Proxy:
                     self._failed(wid, f"HTTP {upstream.status_code}: {text}", "status_5xx")
                     last_error = f"worker {wid} answered {upstream.status_code}"
                     continue
+                # The worker accepted the request: kvgate's view of its cache now includes this prompt.
+                self.prefix.routed(model, wid, prompt.hashes, self.clock.now())
                 if upstream.status_code >= 400:
                     # The worker judged the request; its answer goes back unchanged.
                     content = await upstream.aread()
@@ -198,6 +216,7 @@ class Proxy:
                     await upstream.aclose()
                 obj = _loads(content)
                 ctx.usage = Usage.parse(obj.get("usage")) if obj else None
+                ctx.ttft_s = None
                 await self._record(ctx)
                 return Response(content, status_code=upstream.status_code,
                                 media_type=upstream.headers.get("content-type", "application/json"),
@@ -208,7 +227,7 @@ class Proxy:
                 continue
             finally:
                 if not released:
-                    self.pool.release(wid)
+                    self.pool.release(wid, ctx.prefill_tokens)
         if not tried:
             raise ServiceUnavailable(f"No healthy worker for model `{model}`.", code="no_healthy_worker",
                                      headers={"Retry-After": str(self.settings.retry_after_s)})
@@ -225,6 +244,7 @@ class Proxy:
             "x-kvgate-route-reason": f"{self.policy.name}:{ctx.decision.reason}",
             "x-kvgate-conversation-id": ctx.ident.conversation_id,
             "x-kvgate-conversation-source": ctx.ident.source,
+            "x-kvgate-expected-cached-tokens": str(ctx.decision.expected_cached_tokens),
         }
 
     async def _until_disconnect(self, request: Request, aw: Awaitable[T]) -> T:
@@ -275,7 +295,7 @@ class Proxy:
             yield error_event(f"worker {ctx.decision.worker} failed mid-stream: {type(exc).__name__}")
         finally:
             await upstream.aclose()
-            self.pool.release(ctx.decision.worker)
+            self.pool.release(ctx.decision.worker, ctx.prefill_tokens, ctx.prompt.length, ctx.ttft_s is not None)
             if outcome == "done":
                 await self._record(ctx)
             elif outcome == "cancelled":
@@ -292,6 +312,7 @@ class Proxy:
         if ctx.ttft_s is None and isinstance(choices, list) and any(_has_output(c) for c in choices):
             ctx.ttft_s = self.clock.now() - ctx.started
             self.metrics.ttft.labels(ctx.model).observe(ctx.ttft_s)
+            self.pool.first_token(ctx.decision.worker, ctx.prefill_tokens, ctx.prompt.length)
         if hide_usage and choices == [] and usage is not None:
             return None
         if hide_usage and usage is not None:
@@ -309,9 +330,12 @@ class Proxy:
             self.metrics.prompt_tokens.labels(wid).inc(ctx.usage.prompt_tokens)
             self.metrics.cached_tokens.labels(wid).inc(ctx.usage.cached_tokens)
             self.metrics.completion_tokens.labels(wid).inc(ctx.usage.completion_tokens)
+            self.metrics.expected_vs_actual.labels(self.policy.name).observe(
+                ctx.usage.cached_tokens - ctx.decision.expected_cached_tokens)
+            self.metrics.expected_cached.labels(self.policy.name).inc(ctx.decision.expected_cached_tokens)
         u = ctx.usage or Usage(0, 0, 0)
         turn = TurnRecord(wid, ctx.decision.reason, u.prompt_tokens, u.cached_tokens, u.completion_tokens,
-                          ctx.ttft_s)
+                          ctx.ttft_s, ctx.decision.expected_cached_tokens)
         now = self.clock.now()
         # Re-read: another request of the same conversation may have finished meanwhile.
         current = await self.sessions.get(ctx.ident.conversation_id) or ctx.session or Session(

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from kvgate.gateway.app import Gateway
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -37,3 +45,48 @@ class GatewayMetrics:
         self.worker_in_flight = Gauge("kvgate_worker_in_flight", "Requests kvgate has in flight per worker.",
                                       ["worker"], registry=r)
         self.sessions = Gauge("kvgate_sessions", "Conversations held in the session store.", registry=r)
+        self.prompt_source = Counter("kvgate_prompt_tokens_source",
+                                     "Where each request's tokens came from: local, worker, estimate.",
+                                     ["source"], registry=r)
+        self.expected_vs_actual = Histogram(
+            "kvgate_expected_vs_actual_cached_tokens",
+            "Cached tokens the worker reported minus those the routing decision expected.", ["policy"],
+            buckets=(-8192, -2048, -512, -128, -1, 0, 127, 511, 2047, 8191), registry=r)
+        self.expected_cached = Counter("kvgate_expected_cached_tokens",
+                                       "Cached tokens the routing decisions expected.", ["policy"], registry=r)
+
+
+class PrefixCollector(Collector):
+    """KV event and index figures, read at scrape time from the gateway's prefix knowledge."""
+
+    def __init__(self, gw: Gateway) -> None:
+        self._gw = gw
+
+    def collect(self) -> Iterator[Metric]:
+        st = self._gw.prefix.events.stats
+        for name, doc, value in (
+            ("kvgate_kv_events_applied", "KV events applied to the prefix index.", st.applied),
+            ("kvgate_kv_event_batches", "KV event batches received.", st.batches),
+            ("kvgate_kv_event_batches_malformed", "KV event batches that could not be decoded.", st.malformed),
+            ("kvgate_kv_event_gaps", "Sequence gaps detected (batches lost).", st.gaps),
+            ("kvgate_kv_event_publisher_restarts", "Publishers that restarted (sequence reset).", st.restarts),
+            ("kvgate_kv_event_replays_failed", "Gaps that replay could not fill (worker index dropped).",
+             st.replays_failed),
+            ("kvgate_kv_events_unknown_worker", "Event batches from workers kvgate does not know.",
+             st.unknown_worker),
+        ):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], value)
+            yield c
+        g = GaugeMetricFamily("kvgate_index_blocks", "Blocks the index holds per worker and tier.",
+                              labels=["worker", "tier", "mode"])
+        for mode, idx in (("precise", self._gw.prefix.index), ("approximate", self._gw.prefix.approx.index)):
+            for w, tiers in idx.snapshot().items():
+                for tier, n in tiers.items():
+                    g.add_metric([w, tier, mode], n)
+        yield g
+        p = CounterMetricFamily("kvgate_tokenizer_parity_failures", "Local tokenizer disagreed with a worker.",
+                                labels=["model"])
+        for m, n in self._gw.prompts.parity_failures.items():
+            p.add_metric([m], n)
+        yield p

@@ -34,6 +34,10 @@ class WorkerState:
     config: WorkerConfig
     healthy: bool = False
     in_flight: int = 0
+    pending_prefill: int = 0
+    pending_requests: int = 0
+    decode_requests: int = 0
+    decode_tokens: int = 0
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
@@ -46,7 +50,8 @@ class WorkerState:
 
     def view(self) -> WorkerView:
         return WorkerView(self.id, self.config.model, self.healthy, self.in_flight, self.running,
-                          self.waiting, self.kv_usage)
+                          self.waiting, self.kv_usage, self.pending_prefill, self.pending_requests,
+                          self.decode_requests, self.decode_tokens)
 
 
 class WorkerPool:
@@ -83,12 +88,31 @@ class WorkerPool:
         return out
 
     # -- request accounting --------------------------------------------------------------------
-    def acquire(self, wid: WorkerId) -> None:
-        self._workers[wid].in_flight += 1
+    # What kvgate knows of each worker's queue is what it sent and what came back: a request is
+    # "pending" (its uncached tokens wait for prefill) until its first token, then "decoding".
+    def acquire(self, wid: WorkerId, prefill_tokens: int = 0) -> None:
+        w = self._workers[wid]
+        w.in_flight += 1
+        w.pending_prefill += prefill_tokens
+        w.pending_requests += 1
 
-    def release(self, wid: WorkerId) -> None:
+    def first_token(self, wid: WorkerId, prefill_tokens: int, context_tokens: int) -> None:
+        w = self._workers[wid]
+        w.pending_prefill = max(0, w.pending_prefill - prefill_tokens)
+        w.pending_requests = max(0, w.pending_requests - 1)
+        w.decode_requests += 1
+        w.decode_tokens += context_tokens
+
+    def release(self, wid: WorkerId, prefill_tokens: int = 0, context_tokens: int = 0,
+                got_first_token: bool = False) -> None:
         w = self._workers[wid]
         w.in_flight = max(0, w.in_flight - 1)
+        if got_first_token:
+            w.decode_requests = max(0, w.decode_requests - 1)
+            w.decode_tokens = max(0, w.decode_tokens - context_tokens)
+        else:
+            w.pending_prefill = max(0, w.pending_prefill - prefill_tokens)
+            w.pending_requests = max(0, w.pending_requests - 1)
 
     def mark_failed(self, wid: WorkerId, error: str) -> None:
         w = self._workers[wid]

@@ -21,6 +21,7 @@ class TurnRecord:
     cached_tokens: int
     completion_tokens: int
     ttft_s: float | None
+    expected_cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,6 +4,7 @@ instructions (``replay from seq N``) out; the ZMQ adapter lives in ``gateway/kve
 Events are lossy (PUB drops under pressure, publishers restart), so every worker's sequence numbers
 are tracked:
 - the next expected seq arrives: apply;
+- the first batch seen is not seq 0: kvgate joined late — replay from 0 (the publisher keeps a buffer);
 - a seq jumps ahead: a gap — ask for a replay from the first missing seq; until it is answered the
   worker's entries are kept but the gap is counted; if the replay fails, drop the worker's entries
   rather than trust a stale index;
@@ -117,6 +118,8 @@ class EventStats:
 class _Stream:
     next_seq: int | None = None
     replaying_from: int | None = None
+    held: tuple[int, bytes] | None = None
+    """The batch that revealed a gap: applied after the replayed ones, so events stay in order."""
 
 
 @dataclass
@@ -143,41 +146,50 @@ class KvEventState:
         if st is None:
             self.stats.unknown_worker += 1
             return None
-        replay_from = None
-        if st.next_seq is not None and seq < st.next_seq:
-            if seq == 0 or st.replaying_from is None:
-                # The publisher restarted: its engine starts with an empty cache.
-                self.stats.restarts += 1
-                self.index.clear(worker)
-                st.replaying_from = None
-            else:
-                return None  # a duplicate delivered during a replay
-        elif st.next_seq is not None and seq > st.next_seq and st.replaying_from is None:
+        if st.replaying_from is not None:
+            # A replay is outstanding (the adapter awaits it before reading on): hold on to order.
+            return None
+        if (st.next_seq is None and seq > 0) or (st.next_seq is not None and seq > st.next_seq):
+            # Joined late (the publisher sent batches before kvgate subscribed) or batches were lost:
+            # replay them first, then this one.
             self.stats.gaps += 1
-            st.replaying_from = st.next_seq
-            replay_from = st.next_seq
+            st.replaying_from = 0 if st.next_seq is None else st.next_seq
+            st.held = (seq, payload)
+            st.next_seq = seq + 1
+            return st.replaying_from
+        if st.next_seq is not None and seq < st.next_seq:
+            # The publisher restarted: its engine starts with an empty cache.
+            self.stats.restarts += 1
+            self.index.clear(worker)
         self._apply(worker, payload)
         st.next_seq = seq + 1
-        return replay_from
+        return None
 
     def on_replayed(self, worker: WorkerId, batches: Sequence[tuple[int, bytes]]) -> None:
-        """Apply the replayed batches of a gap (in order); events at or after the live seq are skipped."""
+        """Apply a gap's replayed batches in order, up to and including the batch that revealed it."""
         st = self._streams.get(worker)
-        if st is None or st.replaying_from is None:
+        if st is None or st.replaying_from is None or st.held is None:
             return
-        live = st.next_seq or 0
+        held_seq, held_payload = st.held
+        seen_held = False
         for seq, payload in batches:
-            if st.replaying_from <= seq < live - 1:
+            if st.replaying_from <= seq <= held_seq:
                 self._apply(worker, payload)
-        st.replaying_from = None
+                seen_held = seen_held or seq == held_seq
+        if not seen_held:
+            self._apply(worker, held_payload)
+        st.replaying_from, st.held = None, None
 
     def on_replay_failed(self, worker: WorkerId) -> None:
-        """The gap cannot be filled: the worker's entries may be stale, so forget them."""
+        """The gap cannot be filled: the worker's entries may be stale, so forget them, keeping only what
+        the newest batch says."""
         st = self._streams.get(worker)
         self.stats.replays_failed += 1
         self.index.clear(worker)
         if st is not None:
-            st.replaying_from = None
+            if st.held is not None:
+                self._apply(worker, st.held[1])
+            st.replaying_from, st.held = None, None
 
     def _apply(self, worker: WorkerId, payload: bytes) -> None:
         try:

@@ -1,0 +1,180 @@
+"""A request's prompt as the engine will see it: tokens and block hashes, computed once per request.
+
+Tokens come from the model's local tokenizer (rendered with its chat template exactly as vLLM renders
+it), or — for a model without one, or whose local tokenizer failed the parity probe — from a worker's
+``/tokenize``. If neither works the request is still served: routing falls back to an estimated
+length and no prefix information (never a rejection for kvgate's own reasons).
+
+Hashing is incremental per conversation: the previous prompt's tokens and hashes are kept, the new
+prompt is compared with them, and only blocks past the first difference are hashed, so a long
+history costs no more per turn than a short one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from kvgate.router.hashing import BlockHash, VllmHasher, event_int
+from kvgate.tokens.template import TemplateError
+from kvgate.tokens.tokenizer import ChatTokenizer
+
+log = logging.getLogger(__name__)
+
+Source = Literal["local", "worker", "estimate"]
+WorkerTokenize = Callable[[str, dict[str, Any]], Awaitable[list[int] | None]]
+"""(model, /tokenize body) -> token ids, or None when no worker could tokenize."""
+
+PROBE: list[dict[str, Any]] = [
+    {"role": "system", "content": "You are a careful assistant. Ünïcode ✓"},
+    {"role": "user", "content": "Find the weather in Paris."},
+    {"role": "assistant", "content": "", "reasoning": "call the tool",
+     "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather",
+                                                                 "arguments": "{\"city\":\"Paris\"}"}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+]
+PROBE_TOOLS: list[dict[str, Any]] = [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
+                                                 "parameters": {"type": "object"}}}]
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    length: int
+    hashes: tuple[int, ...]
+    """Event-form (64-bit) hashes of the prompt's full blocks; empty when the tokens are unknown."""
+    source: Source
+    reused_blocks: int = 0
+    """Blocks whose hashes came from the conversation's previous prompt (not recomputed)."""
+
+
+def tokenize_body(endpoint: str, body: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The /tokenize request equivalent to a chat or completion request (None if there is none)."""
+    if endpoint == "chat":
+        out: dict[str, Any] = {"model": body["model"], "messages": body["messages"], "add_generation_prompt": True}
+        for k in ("tools", "chat_template_kwargs"):
+            if body.get(k) is not None:
+                out[k] = body[k]
+        return out
+    if isinstance(body.get("prompt"), str):
+        return {"model": body["model"], "prompt": body["prompt"]}
+    return None
+
+
+class PromptBuilder:
+    def __init__(self, tokenizers: Mapping[str, ChatTokenizer], hashers: Mapping[str, VllmHasher],
+                 worker_tokenize: WorkerTokenize, max_conversations: int = 10_000) -> None:
+        self._tok = dict(tokenizers)
+        self._hashers = dict(hashers)
+        self._worker_tokenize = worker_tokenize
+        self._max = max_conversations
+        self._chains: OrderedDict[str, tuple[list[int], list[BlockHash], str | None]] = OrderedDict()
+        self.mode: dict[str, Source] = {m: ("local" if m in self._tok else "worker") for m in self._hashers}
+        self.parity_failures: dict[str, int] = {}
+
+    # -- start-up and worker joins -------------------------------------------------------------------
+    async def check_parity(self, model: str) -> bool | None:
+        """Compare the local tokenizer with a worker's /tokenize on a probe conversation. A mismatch
+        switches the model to worker tokenization (what kvgate forwards must be what it hashed).
+        None: no local tokenizer, or no worker answered."""
+        tok = self._tok.get(model)
+        if tok is None:
+            return None
+        want = await self._worker_tokenize(model, {"model": model, "messages": PROBE, "tools": PROBE_TOOLS,
+                                                   "add_generation_prompt": True})
+        if want is None:
+            return None
+        got = tok.encode_chat(PROBE, PROBE_TOOLS)
+        if got == want:
+            if self.mode.get(model) != "local":
+                log.info("tokenizer parity restored for %s", model)
+            self.mode[model] = "local"
+            return True
+        self.parity_failures[model] = self.parity_failures.get(model, 0) + 1
+        first = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+        log.error("TOKENIZER MISMATCH for model %s: local and worker tokens differ at position %d (local %d "
+                  "tokens, worker %d); routing will use the worker's /tokenize for this model", model, first,
+                  len(got), len(want))
+        self.mode[model] = "worker"
+        return False
+
+    # -- per request -------------------------------------------------------------------------------
+    async def prepare(self, model: str, endpoint: str, body: Mapping[str, Any], conversation: str) -> Prompt:
+        tokens, source = await self._tokens(model, endpoint, body)
+        hasher = self._hashers.get(model)
+        if tokens is None or hasher is None:
+            return Prompt(_estimate(body), (), "estimate")
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        hashes, reused = self._hash(conversation, tokens, hasher, salt)
+        return Prompt(len(tokens), tuple(event_int(h) for h in hashes), source, reused)
+
+    async def _tokens(self, model: str, endpoint: str, body: Mapping[str, Any]) -> tuple[list[int] | None, Source]:
+        if endpoint == "completions" and isinstance(body.get("prompt"), list) and body["prompt"] \
+                and all(isinstance(t, int) for t in body["prompt"]):
+            return list(body["prompt"]), "local"
+        tok = self._tok.get(model)
+        if tok is not None and self.mode.get(model) == "local":
+            try:
+                if endpoint == "chat":
+                    kwargs = body.get("chat_template_kwargs")
+                    return tok.encode_chat(body["messages"], body.get("tools"), True,
+                                           kwargs if isinstance(kwargs, dict) else None), "local"
+                if isinstance(body.get("prompt"), str):
+                    return tok.encode(body["prompt"], add_special_tokens=True), "local"
+            except (TemplateError, TypeError, ValueError, KeyError) as exc:
+                log.info("local tokenization failed (%s); asking a worker", exc)
+        req = tokenize_body(endpoint, body)
+        if req is None:
+            return None, "estimate"
+        got = await self._worker_tokenize(model, req)
+        return (got, "worker") if got is not None else (None, "estimate")
+
+    def _hash(self, conversation: str, tokens: list[int], hasher: VllmHasher, salt: str | None
+              ) -> tuple[list[BlockHash], int]:
+        bs = hasher.block_size
+        n_blocks = len(tokens) // bs
+        prev = self._chains.get(conversation)
+        keep = 0
+        if prev is not None and prev[2] == salt:
+            old_tokens, old_hashes, _ = prev
+            keep = min(_common_prefix(old_tokens, tokens) // bs, len(old_hashes), n_blocks)
+        base = prev[1][:keep] if prev is not None and keep else []
+        new = hasher.block_hashes(tokens[keep * bs : n_blocks * bs], parent=base[-1] if base else None,
+                                  cache_salt=salt, start_block=keep)
+        hashes = base + new
+        if self._max:
+            self._chains[conversation] = (tokens, hashes, salt)
+            self._chains.move_to_end(conversation)
+            while len(self._chains) > self._max:
+                self._chains.popitem(last=False)
+        return hashes, keep
+
+    def forget(self, conversation: str) -> None:
+        self._chains.pop(conversation, None)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix, by bisection on C-speed slice compares (no per-token Python loop)."""
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _estimate(body: Mapping[str, Any]) -> int:
+    """~4 characters a token: only for load estimates when the real tokens are unknown."""
+    chars = 0
+    for m in body.get("messages") or []:
+        c = m.get("content") if isinstance(m, dict) else None
+        chars += len(c) if isinstance(c, str) else sum(len(str(p)) for p in c or [])
+    p = body.get("prompt")
+    chars += len(p) if isinstance(p, str) else 0
+    return max(1, chars // 4)

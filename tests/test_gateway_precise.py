@@ -1,0 +1,153 @@
+"""The cost-model policy in the gateway: tokens, block hashes, KV events and decisions end to end."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import openai
+
+from tests.conftest import MODEL, Cluster
+from tests.test_gateway import TOOLS, client, eventually, metric
+
+
+async def agent_turns(c: Cluster, conv: str, steps: int, system: str = "You are an agent. " * 60
+                      ) -> list[tuple[str, str, int, int, int]]:
+    """(worker, reason, prompt, cached, expected) per step of an agent loop."""
+    oc = client(c)
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": system}, {"role": "user", "content": f"task {conv}"}]
+    out = []
+    for i in range(steps):
+        raw = await oc.chat.completions.with_raw_response.create(
+            model=MODEL, messages=msgs, tools=TOOLS,  # type: ignore[arg-type]
+            extra_headers={"x-conversation-id": conv}, extra_body={"sim": {"tool_calls": 1, "reasoning_tokens": 40}})
+        r = raw.parse()
+        m = r.choices[0].message
+        msgs.append(m.model_dump(exclude_none=True))
+        msgs.append({"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": f"result {i} " * 80})  # type: ignore[index]
+        assert r.usage is not None and r.usage.prompt_tokens_details is not None
+        out.append((raw.headers["x-kvgate-worker"], raw.headers["x-kvgate-route-reason"], r.usage.prompt_tokens,
+                    r.usage.prompt_tokens_details.cached_tokens or 0,
+                    int(raw.headers["x-kvgate-expected-cached-tokens"])))
+    return out
+
+
+async def test_precise_mode_follows_the_cache_and_predicts_it_exactly(make_cluster: Any) -> None:
+    c = await make_cluster(3, events=True)
+    await eventually(lambda: len(c.gateway.prefix.events.workers()) == 3)
+    turns = await agent_turns(c, "p1", 5)
+    assert len({t[0] for t in turns}) == 1
+    assert [t[1] for t in turns[1:]] == ["cost_model:longest_prefix"] * 4
+    # Events arrive before the next turn: the expected cached tokens are exactly what vLLM-style
+    # accounting reports.
+    assert all(t[3] == t[4] for t in turns[1:]) and turns[-1][3] > turns[1][3] > 0
+    assert await metric(c, "kvgate_kv_events_applied_total") > 0
+    assert await metric(c, "kvgate_prompt_tokens_source_total", source="local") == 5
+
+
+async def test_approximate_mode_without_events(make_cluster: Any) -> None:
+    c = await make_cluster(3, events=False)
+    turns = await agent_turns(c, "a1", 4)
+    assert len({t[0] for t in turns}) == 1 and all(t[3] > 0 for t in turns[1:])
+    blocks = await metric(c, "kvgate_index_blocks", mode="approximate")
+    assert blocks > 0
+
+
+async def test_new_conversations_sharing_a_system_prompt_are_balanced(make_cluster: Any) -> None:
+    c = await make_cluster(3, events=True, sim={"speed": 2.0})
+    await eventually(lambda: len(c.gateway.prefix.events.workers()) == 3)
+    await agent_turns(c, "warm", 1)
+    oc = client(c)
+
+    async def one(i: int) -> str:
+        raw = await oc.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "system", "content": "You are an agent. " * 60},
+                                   {"role": "user", "content": f"new task {i} " * 30}],
+            extra_headers={"x-conversation-id": f"n{i}"}, extra_body={"sim": {"reasoning_tokens": 200}})
+        return raw.headers["x-kvgate-worker"]
+
+    placed = await asyncio.gather(*(one(i) for i in range(9)))
+    # All share the cached system prompt, but piling nine concurrent prefills on one worker would
+    # cost more than recomputing 700 tokens elsewhere.
+    assert len(set(placed)) == 3
+
+
+async def test_untokenizable_request_is_still_served(make_cluster: Any) -> None:
+    c = await make_cluster(2, events=True, tokenizer=False)
+    # A batch of string prompts has no single /tokenize equivalent: routed on an estimate.
+    async with httpx.AsyncClient() as h:
+        r = await h.post(c.url + "/v1/completions", json={"model": MODEL, "prompt": ["a b c", "d e f"],
+                                                          "max_tokens": 2})
+    assert r.status_code != 503 and r.status_code < 500
+    assert await metric(c, "kvgate_prompt_tokens_source_total", source="estimate") == 1
+    # Without a local tokenizer the worker's /tokenize is used.
+    await client(c).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert await metric(c, "kvgate_prompt_tokens_source_total", source="worker") == 1
+
+
+async def test_tokenizer_parity_mismatch_falls_back_to_worker(make_cluster: Any, tmp_path: Any) -> None:
+    import json
+    import shutil
+
+    from tests.conftest import MODEL as M
+
+    bad = tmp_path / "bad-tok"
+    shutil.copytree(c_dir := __import__("kvgate.tokens.tinymodel", fromlist=["x"]).ensure_tiny_model(), bad)
+    del c_dir
+    cfg = json.loads((bad / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = cfg["chat_template"].replace("<|im_start|>", "<|im_start|> ")
+    (bad / "tokenizer_config.json").write_text(json.dumps(cfg))
+    c = await make_cluster(2, events=True, tokenizers={M: str(bad)})
+    assert c.gateway.prompts.mode[M] == "worker"
+    assert await metric(c, "kvgate_tokenizer_parity_failures_total", model=M) == 1
+    r = await client(c).chat.completions.create(model=M, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert r.choices
+
+
+async def test_admin_policy_patch_validates_and_applies(make_cluster: Any) -> None:
+    c = await make_cluster(1)
+    async with httpx.AsyncClient() as h:
+        before = (await h.get(c.url + "/admin/policy")).json()
+        assert before["policy"] == "cost_model"
+        bad = await h.patch(c.url + "/admin/policy", json={"cost": {"token_budget": -5, "affinity_bonus_ms": 9}})
+        assert bad.status_code == 422 and bad.json()["error"]["param"] == "cost.token_budget"
+        assert (await h.get(c.url + "/admin/policy")).json() == before  # nothing half-applied
+        ok = await h.patch(c.url + "/admin/policy", json={"cost": {"affinity_bonus_ms": 9}})
+        assert ok.status_code == 200 and ok.json()["cost"]["affinity_bonus_ms"] == 9
+        assert c.gateway.cost.params.affinity_bonus_ms == 9
+        unknown = await h.patch(c.url + "/admin/policy", json={"cost": {"warp_factor": 9}})
+        assert unknown.status_code == 422
+
+
+async def test_kv_event_gap_is_replayed(make_cluster: Any) -> None:
+    c = await make_cluster(1, events=True)
+    await eventually(lambda: len(c.gateway.prefix.events.workers()) == 1)
+    sim = c.sims[0][0]
+    assert sim.publisher is not None
+    await agent_turns(c, "g0", 1)
+    await eventually(lambda: c.gateway.prefix.events.stats.batches > 0)
+    # Lose a batch on the wire: publish it into the replay buffer only.
+    from kvgate.router.hashing import BlockHash
+    from kvgate.sim.blockpool import BlockStored
+
+    lost = BlockStored((BlockHash(b"\x01" * 32),), None, tuple(range(128)), 128)
+    seq = next(sim.publisher._seq)
+    from kvgate.sim.events import encode_batch
+
+    sim.publisher._buffer.append((seq, encode_batch([lost], 0.0)))
+    await agent_turns(c, "g1", 1)  # the next live batch reveals the gap
+    await eventually(lambda: c.gateway.prefix.events.stats.gaps == 1)
+    await eventually(lambda: c.gateway.prefix.index.match([int.from_bytes(b"\x01" * 8, "big")]) != {})
+    assert c.gateway.prefix.events.stats.replays_failed == 0
+
+
+async def test_expected_vs_actual_metric(make_cluster: Any) -> None:
+    c = await make_cluster(2, events=True)
+    await eventually(lambda: len(c.gateway.prefix.events.workers()) == 2)
+    await agent_turns(c, "m1", 3)
+    assert await metric(c, "kvgate_expected_vs_actual_cached_tokens_count", policy="cost_model") == 3
+    assert await metric(c, "kvgate_expected_cached_tokens_total", policy="cost_model") > 0
+
+
+_ = openai
