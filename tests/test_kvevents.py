@@ -21,8 +21,9 @@ def removed(*hs: int) -> dict[str, object]:
 
 
 def test_decodes_maps_arrays_and_raw_digests() -> None:
+    raw_digest = b"\x00" * 24 + (5).to_bytes(8, "big")
     evs = decode_batch(batch(stored(1, 2, parent=7), removed(2), {"type": "AllBlocksCleared"},
-                             ["BlockStored", [3], None, [], 16, None, "CPU"], stored(b"\x00" * 24 + (5).to_bytes(8, "big"))))
+                             ["BlockStored", [3], None, [], 16, None, "CPU"], stored(raw_digest)))
     assert evs == [Stored((1, 2), 7, "GPU"), Removed((2,), "GPU"), Cleared(), Stored((3,), None, "CPU"),
                    Stored((5,), None, "GPU")]
 
