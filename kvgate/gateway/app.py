@@ -28,6 +28,7 @@ from kvgate.gateway.prompts import PromptBuilder
 from kvgate.gateway.proxy import Proxy
 from kvgate.gateway.telemetry import GatewayMetrics, PrefixCollector
 from kvgate.gateway.workers import WorkerPool
+from kvgate.kvstore.redis_sessions import RedisSessionStore, SessionStoreError
 from kvgate.kvstore.sessions import MemorySessionStore, SessionStore
 from kvgate.router.cost import CostModel, CostParams
 from kvgate.router.hashing import VllmHasher
@@ -68,7 +69,12 @@ class Gateway:
         else:
             params = {"epsilon": settings.affinity_epsilon} if settings.policy == "session_affinity" else {}
             self.policy = make_policy(settings.policy, **params)
-        self.sessions = sessions or MemorySessionStore(self.clock, settings.session_ttl_s, settings.max_sessions)
+        if sessions is not None:
+            self.sessions = sessions
+        elif settings.session_store == "redis":
+            self.sessions = RedisSessionStore(settings.redis_url, settings.session_ttl_s)
+        else:
+            self.sessions = MemorySessionStore(self.clock, settings.session_ttl_s, settings.max_sessions)
         self.prefix = PrefixKnowledge(settings.workers, settings.approx_ttl_s)
         self.subscriber = KvEventSubscriber(self.prefix.events, settings.workers, self.client)
         tokenizers = {m: ChatTokenizer(Path(d)) for m, d in settings.tokenizers.items()}
@@ -105,6 +111,8 @@ class Gateway:
         await self.pool.stop()
         await self.subscriber.stop()
         await self.client.aclose()
+        if isinstance(self.sessions, RedisSessionStore):
+            await self.sessions.close()
 
     def refresh_gauges(self) -> None:
         for w in self.pool.all():
@@ -165,7 +173,10 @@ def create_app(settings: GatewaySettings, clock: Clock | None = None,
     @app.get("/metrics")
     async def metrics() -> Response:
         gw.refresh_gauges()
-        gw.metrics.sessions.set(await gw.sessions.count())
+        try:
+            gw.metrics.sessions.set(await gw.sessions.count())
+        except SessionStoreError:
+            gw.metrics.session_store_errors.inc()
         return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/admin/policy")

@@ -30,6 +30,7 @@ from kvgate.gateway.requests import KVGATE_FIELDS, validate_chat, validate_compl
 from kvgate.gateway.sse import SseEvent, SseSplitter, error_event
 from kvgate.gateway.telemetry import GatewayMetrics
 from kvgate.gateway.workers import WorkerPool
+from kvgate.kvstore.redis_sessions import SessionStoreError
 from kvgate.kvstore.sessions import Session, SessionStore, TurnRecord
 from kvgate.router.policies import Policy
 from kvgate.router.types import Decision, RouteRequest, WorkerId
@@ -115,7 +116,13 @@ class Proxy:
         ident = identity.resolve(request.headers, body, self.settings.conversation_headers,
                                  self.settings.tenant_header)
         self.metrics.conversation_source.labels(ident.source.split(":")[0]).inc()
-        session = await self.sessions.get(ident.conversation_id)
+        try:
+            session = await self.sessions.get(ident.conversation_id)
+        except SessionStoreError as exc:
+            # The store is down: route without the conversation's history rather than fail.
+            self.metrics.session_store_errors.inc()
+            log.warning("session store: %s", exc)
+            session = None
         prompt = await self.prompts.prepare(model, endpoint, body, ident.conversation_id)
         self.metrics.prompt_source.labels(prompt.source).inc()
         fwd = {k: v for k, v in body.items() if k not in KVGATE_FIELDS}
@@ -337,10 +344,18 @@ class Proxy:
         turn = TurnRecord(wid, ctx.decision.reason, u.prompt_tokens, u.cached_tokens, u.completion_tokens,
                           ctx.ttft_s, ctx.decision.expected_cached_tokens)
         now = self.clock.now()
-        # Re-read: another request of the same conversation may have finished meanwhile.
-        current = await self.sessions.get(ctx.ident.conversation_id) or ctx.session or Session(
-            ctx.ident.conversation_id, ctx.ident.source)
-        await self.sessions.put(current.with_turn(turn, now))
+        ident = ctx.ident
+
+        def add_turn(current: Session | None) -> Session:
+            return (current or Session(ident.conversation_id, ident.source)).with_turn(turn, now)
+
+        try:
+            # Compare-and-set: another request of this conversation (maybe on another gateway) may
+            # have written meanwhile; its turn is kept.
+            await self.sessions.update(ident.conversation_id, add_turn)
+        except SessionStoreError as exc:
+            self.metrics.session_store_errors.inc()
+            log.warning("turn not recorded: %s", exc)
 
 
 def _has_output(choice: Any) -> bool:

@@ -45,6 +45,9 @@ class GatewayMetrics:
         self.worker_in_flight = Gauge("kvgate_worker_in_flight", "Requests kvgate has in flight per worker.",
                                       ["worker"], registry=r)
         self.sessions = Gauge("kvgate_sessions", "Conversations held in the session store.", registry=r)
+        self.session_store_errors = Counter("kvgate_session_store_errors",
+                                            "Session store calls that failed (requests were still served).",
+                                            registry=r)
         self.prompt_source = Counter("kvgate_prompt_tokens_source",
                                      "Where each request's tokens came from: local, worker, estimate.",
                                      ["source"], registry=r)

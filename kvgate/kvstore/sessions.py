@@ -6,8 +6,9 @@ A ``get`` refreshes a conversation's expiry (it is in use); ``peek`` does not (o
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field, replace
-from typing import Protocol
+from collections.abc import Callable
+from dataclasses import astuple, dataclass, field, replace
+from typing import Any, Protocol
 
 from kvgate.clock import Clock
 from kvgate.router.types import ConversationId, WorkerId
@@ -32,14 +33,38 @@ class Session:
     home_worker: WorkerId | None = None
     last_activity: float = 0.0
     turns: tuple[TurnRecord, ...] = field(default_factory=tuple)
+    """The most recent turns (bounded); ``turn_count`` counts them all."""
+    turn_count: int = 0
+    version: int = 0
+    """Bumped by every write; a store refuses a write based on a stale version (no lost updates)."""
 
     def with_turn(self, turn: TurnRecord, now: float, keep_turns: int = 64) -> Session:
         return replace(self, home_worker=turn.worker, last_activity=now,
-                       turns=(*self.turns, turn)[-keep_turns:])
+                       turns=(*self.turns, turn)[-keep_turns:], turn_count=self.turn_count + 1)
+
+    def to_json(self) -> dict[str, object]:
+        return {"conversation_id": self.conversation_id, "id_source": self.id_source,
+                "home_worker": self.home_worker, "last_activity": self.last_activity,
+                "turns": [list(astuple(t)) for t in self.turns], "turn_count": self.turn_count,
+                "version": self.version}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Session:
+        return cls(ConversationId(d["conversation_id"]), d["id_source"],
+                   WorkerId(d["home_worker"]) if d.get("home_worker") else None, float(d["last_activity"]),
+                   tuple(TurnRecord(*t) for t in d.get("turns", [])), int(d.get("turn_count", 0)),
+                   int(d.get("version", 0)))
+
+
+Updater = Callable[[Session | None], Session]
 
 
 class SessionStore(Protocol):
     async def get(self, cid: ConversationId) -> Session | None: ...
+
+    async def update(self, cid: ConversationId, fn: Updater) -> Session:
+        """Read-modify-write that never loses a concurrent writer's update (retried on conflict)."""
+        ...
 
     async def peek(self, cid: ConversationId) -> Session | None: ...
 
@@ -78,6 +103,13 @@ class MemorySessionStore:
 
     async def peek(self, cid: ConversationId) -> Session | None:
         return self._live(cid)
+
+    async def update(self, cid: ConversationId, fn: Updater) -> Session:
+        # One event loop, no await between read and write: atomic as it stands.
+        new = fn(self._live(cid))
+        new = replace(new, version=new.version + 1)
+        await self.put(new)
+        return new
 
     async def put(self, session: Session) -> None:
         cid = session.conversation_id
