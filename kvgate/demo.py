@@ -6,6 +6,7 @@ on a sticky worker the cached tokens grow turn over turn, because the history is
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from typing import Any
 import httpx
 
 from kvgate.config import GatewaySettings, SimSettings, WorkerConfig
+from kvgate.dev.engines import free_port
 from kvgate.gateway.app import create_app, make_client
 from kvgate.serving import ServerHandle, start_server
 from kvgate.sim.server import SimWorker
@@ -46,6 +48,7 @@ class TurnResult:
     cached_tokens: int
     ttft_ms: float
     finish: str
+    expected_cached: int = 0
 
 
 async def chat_turn(client: httpx.AsyncClient, url: str, conv: str, messages: list[dict[str, Any]]
@@ -96,7 +99,8 @@ async def run_session(client: httpx.AsyncClient, url: str, conv: str, start: int
             cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
             out.append(TurnResult(n, conv, kind, headers.get("x-kvgate-worker", "?"),
                                   headers.get("x-kvgate-route-reason", "?"), usage.get("prompt_tokens", 0),
-                                  cached, ttft * 1000, finish))
+                                  cached, ttft * 1000, finish,
+                                  int(headers.get("x-kvgate-expected-cached-tokens", "0"))))
             n += 1
             messages.append(msg)
             if finish != "tool_calls":
@@ -109,13 +113,13 @@ async def run_session(client: httpx.AsyncClient, url: str, conv: str, start: int
 
 
 def print_table(rows: list[TurnResult]) -> None:
-    head = f"{'turn':>4}  {'conversation':<13} {'after':<12} {'worker':<16} {'route':<28} {'prompt':>7} " \
-           f"{'cached':>7} {'ttft ms':>8}  finish"
+    head = f"{'turn':>4}  {'conversation':<12} {'after':<12} {'worker':<16} {'route':<28} {'prompt':>7} " \
+           f"{'expected':>8} {'cached':>7} {'ttft ms':>8}  finish"
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r.n:>4}  {r.conversation:<13} {r.kind:<12} {r.worker:<16} {r.reason:<28} {r.prompt_tokens:>7} "
-              f"{r.cached_tokens:>7} {r.ttft_ms:>8.1f}  {r.finish}")
+        print(f"{r.n:>4}  {r.conversation:<12} {r.kind:<12} {r.worker:<16} {r.reason:<28} {r.prompt_tokens:>7} "
+              f"{r.expected_cached:>8} {r.cached_tokens:>7} {r.ttft_ms:>8.1f}  {r.finish}")
 
 
 async def run_demo(n_workers: int = 3, profile: str = "h100-llama3-8b", speed: float = 1.0) -> list[TurnResult]:
@@ -124,17 +128,25 @@ async def run_demo(n_workers: int = 3, profile: str = "h100-llama3-8b", speed: f
     gw: ServerHandle | None = None
     try:
         for _ in range(n_workers):
-            w = SimWorker(SimSettings(model_dir=str(model_dir), profile=profile, hash_seed="0", speed=speed))
+            # Each simulated worker publishes vLLM-format KV events; the gateway finds them through
+            # /kv_event_sources and routes on exactly what every worker holds.
+            w = SimWorker(SimSettings(model_dir=str(model_dir), profile=profile, hash_seed="0", speed=speed,
+                                      kv_events_endpoint=f"tcp://127.0.0.1:{free_port()}",
+                                      kv_replay_endpoint=f"tcp://127.0.0.1:{free_port()}"))
             sims.append((w, await start_server(w.build_app())))
-        settings = GatewaySettings(workers=[WorkerConfig(url=h.url, model="kvgate-tiny", engine="sim")
-                                            for _, h in sims], policy="session_affinity", health_interval_s=1.0)
+        settings = GatewaySettings(
+            workers=[WorkerConfig(url=h.url, model="kvgate-tiny", engine="sim", block_size=w.profile.block_size,
+                                  kv_events="auto") for w, h in sims],
+            policy="cost_model", tokenizers={"kvgate-tiny": str(model_dir)}, hash_seed="0", health_interval_s=1.0)
         gw = await start_server(create_app(settings))
-        print(f"kvgate demo: gateway {gw.url}, {n_workers} simulated vLLM workers ({profile} timing), "
-              f"policy session_affinity\n")
+        print(f"kvgate demo: gateway {gw.url}, {n_workers} simulated vLLM workers ({profile} timing, KV events), "
+              f"policy cost_model\n")
         async with make_client(60.0) as client:
-            rows: list[TurnResult] = []
-            for conv in ("agent-A", "agent-B", "agent-C"):
-                rows += await run_session(client, gw.url, conv, start=len(rows) + 1)
+            # Three agents at once: the cost model weighs each one's cached prefix against the queue
+            # the others are building on the same worker.
+            per = await asyncio.gather(*(run_session(client, gw.url, conv) for conv in ("agent-A", "agent-B",
+                                                                                         "agent-C")))
+            rows = [r for session in per for r in session]
         print_table(rows)
         return rows
     finally:
