@@ -107,6 +107,9 @@ def run(trace_path: Path = DEFAULT_TRACE, out_dir: Path = Path("bench-out"), qui
         panels.append((title, rows))
         results[title] = [{k: v for k, v in asdict(r).items() if k != "ttfts_ms"} for r in rows]
     text.append(floors(results))
+    from kvgate.bench.routing import report as routing_report
+
+    text.append(routing_report())
     png = out_dir / "mooncake_ttft_cdf.png"
     plot(png, panels)
     text.append(f"Plot: {png}")

@@ -12,9 +12,10 @@ history costs no more per turn than a short one.
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -71,6 +72,13 @@ class PromptBuilder:
         self._worker_tokenize = worker_tokenize
         self._max = max_conversations
         self._chains: OrderedDict[str, tuple[list[int], list[BlockHash], str | None]] = OrderedDict()
+        self._ints: dict[str, list[int]] = {}
+        """The event-form ints of each chain's hashes, kept so a turn converts only its new blocks."""
+        self._texts: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()
+        self._same_prefix: int | None = None
+        """Tokens the incremental tokenizer just proved equal to the previous prompt's (saves a compare)."""
+        """Per conversation: the last rendered prompt and its token end offsets (local tokenizer only)."""
+        self.retokenized_chars = 0
         self.mode: dict[str, Source] = {m: ("local" if m in self._tok else "worker") for m in self._hashers}
         self.parity_failures: dict[str, int] = {}
 
@@ -102,15 +110,27 @@ class PromptBuilder:
 
     # -- per request -------------------------------------------------------------------------------
     async def prepare(self, model: str, endpoint: str, body: Mapping[str, Any], conversation: str) -> Prompt:
-        tokens, source = await self._tokens(model, endpoint, body)
+        remembered = len(self._texts)
+        marker = self.retokenized_chars
+        tokens, source = await self._tokens(model, endpoint, body, conversation)
+        if self.retokenized_chars == marker and remembered == len(self._texts):
+            # These tokens did not come from a rendered chat: the stored text no longer matches them.
+            self._texts.pop(conversation, None)
         hasher = self._hashers.get(model)
         if tokens is None or hasher is None:
             return Prompt(_estimate(body), (), "estimate")
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-        hashes, reused = self._hash(conversation, tokens, hasher, salt)
-        return Prompt(len(tokens), tuple(event_int(h) for h in hashes), source, reused)
+        same, self._same_prefix = self._same_prefix, None
+        hashes, reused = self._hash(conversation, tokens, hasher, salt, same)
+        ints = self._ints.get(conversation, [])[:reused] + [event_int(h) for h in hashes[reused:]]
+        if self._max:
+            self._ints[conversation] = ints
+            if len(self._ints) > self._max:
+                self._ints = {k: v for k, v in self._ints.items() if k in self._chains}
+        return Prompt(len(tokens), tuple(ints), source, reused)
 
-    async def _tokens(self, model: str, endpoint: str, body: Mapping[str, Any]) -> tuple[list[int] | None, Source]:
+    async def _tokens(self, model: str, endpoint: str, body: Mapping[str, Any], conversation: str = ""
+                      ) -> tuple[list[int] | None, Source]:
         if endpoint == "completions" and isinstance(body.get("prompt"), list) and body["prompt"] \
                 and all(isinstance(t, int) for t in body["prompt"]):
             return list(body["prompt"]), "local"
@@ -119,8 +139,9 @@ class PromptBuilder:
             try:
                 if endpoint == "chat":
                     kwargs = body.get("chat_template_kwargs")
-                    return tok.encode_chat(body["messages"], body.get("tools"), True,
-                                           kwargs if isinstance(kwargs, dict) else None), "local"
+                    text = tok.render_chat(body["messages"], body.get("tools"), True,
+                                           kwargs if isinstance(kwargs, dict) else None)
+                    return self._encode_incremental(tok, conversation, text), "local"
                 if isinstance(body.get("prompt"), str):
                     return tok.encode(body["prompt"], add_special_tokens=True), "local"
             except (TemplateError, TypeError, ValueError, KeyError) as exc:
@@ -131,15 +152,46 @@ class PromptBuilder:
         got = await self._worker_tokenize(model, req)
         return (got, "worker") if got is not None else (None, "estimate")
 
-    def _hash(self, conversation: str, tokens: list[int], hasher: VllmHasher, salt: str | None
-              ) -> tuple[list[BlockHash], int]:
+    def _encode_incremental(self, tok: ChatTokenizer, conversation: str, text: str) -> list[int]:
+        """Tokenize ``text``, re-using the conversation's previous tokens up to the last special token
+        before the first changed character: a turn costs its new text, not its whole history."""
+        prev = self._texts.get(conversation) if self._max else None
+        prev_tokens = self._chains.get(conversation)
+        if prev is not None and prev_tokens is not None:
+            old_text, old_ends = prev
+            split = tok.last_safe_split(text, _common_prefix(old_text, text))
+            k = bisect.bisect_right(old_ends, split)
+            if split > 0 and k > 0 and old_ends[k - 1] == split:
+                ids, ends = tok.encode_with_ends(text[split:])
+                tokens = prev_tokens[0][:k] + ids
+                self._same_prefix = k
+                all_ends = old_ends[:k] + [split + e for e in ends]
+                self.retokenized_chars += len(text) - split
+                self._remember_text(conversation, text, all_ends)
+                return tokens
+        tokens, ends = tok.encode_with_ends(text)
+        self.retokenized_chars += len(text)
+        self._remember_text(conversation, text, ends)
+        return tokens
+
+    def _remember_text(self, conversation: str, text: str, ends: list[int]) -> None:
+        if not self._max:
+            return
+        self._texts[conversation] = (text, ends)
+        self._texts.move_to_end(conversation)
+        while len(self._texts) > self._max:
+            self._texts.popitem(last=False)
+
+    def _hash(self, conversation: str, tokens: list[int], hasher: VllmHasher, salt: str | None,
+              same_prefix: int | None = None) -> tuple[list[BlockHash], int]:
         bs = hasher.block_size
         n_blocks = len(tokens) // bs
         prev = self._chains.get(conversation)
         keep = 0
         if prev is not None and prev[2] == salt:
             old_tokens, old_hashes, _ = prev
-            keep = min(_common_prefix(old_tokens, tokens) // bs, len(old_hashes), n_blocks)
+            common = same_prefix if same_prefix is not None else _common_prefix(old_tokens, tokens)
+            keep = min(common // bs, len(old_hashes), n_blocks)
         base = prev[1][:keep] if prev is not None and keep else []
         new = hasher.block_hashes(tokens[keep * bs : n_blocks * bs], parent=base[-1] if base else None,
                                   cache_salt=salt, start_block=keep)
@@ -152,13 +204,15 @@ class PromptBuilder:
         return hashes, keep
 
     def forget(self, conversation: str) -> None:
+        self._ints.pop(conversation, None)
         self._chains.pop(conversation, None)
+        self._texts.pop(conversation, None)
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def _common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
     """Length of the common prefix, by bisection on C-speed slice compares (no per-token Python loop)."""
     lo, hi = 0, min(len(a), len(b))
-    if a[:hi] == b[:hi]:
+    if a[:hi] == b[:hi]:  # the common case: the new prompt extends the old one
         return hi
     while lo < hi:
         mid = (lo + hi + 1) // 2

@@ -43,6 +43,9 @@ class CostParams(BaseModel):
     kv_capacity_tokens: int = Field(1_048_576, gt=0, description="KV capacity of one worker, for u")
     token_budget: int = Field(8192, gt=0, description="max tokens in one engine step")
     affinity_bonus_ms: float = Field(2.0, ge=0, description="prior for the conversation's home worker")
+    affinity_cache_fraction: float = Field(1.0, ge=0, description="extra home prior: this fraction of the "
+                                           "prefill time its cached prefix saves (moving a conversation also "
+                                           "costs its next turns)")
     externality_weight: float = Field(1.0, ge=0, description="weight of the delay a request imposes on the "
                                       "requests already waiting for their first token on a worker")
     load_epsilon: float = Field(1.0, ge=0, description="bounded load: (1+eps)*mean+1 in-flight at most")
@@ -71,6 +74,11 @@ class CostModel:
         attention = p.p_attn_ms * mine * cached / 1e6
         decode = len(passes) * self.decode_step_ms(w) if w.decode_requests else 0.0
         return prefill + attention + decode
+
+    def home_bonus_ms(self, request: RouteRequest, w: WorkerView) -> float:
+        p = self.params
+        cached = self.cached_tokens(request, w)
+        return p.affinity_bonus_ms + p.affinity_cache_fraction * (p.p1_ms * cached + p.p2_ms * cached * cached)
 
     def delay_to_others_ms(self, request: RouteRequest, w: WorkerView) -> float:
         """How much longer the requests already waiting on ``w`` take, summed over them."""
@@ -107,8 +115,7 @@ class CostModel:
         home = request.home_worker
 
         def key(w: WorkerView) -> tuple[float, str]:
-            bonus = self.params.affinity_bonus_ms if w.id == home else 0.0
-            return (scores[w.id] - bonus, w.id)
+            return (scores[w.id] - (self.home_bonus_ms(request, w) if w.id == home else 0.0), w.id)
 
         best = min(eligible, key=key)
         cached = self.cached_tokens(request, best)

@@ -1,12 +1,11 @@
-"""Where each KV block lives: block hash → the workers holding it, per tier.
+"""Where each KV block lives: for every worker and tier, the set of block hashes it holds.
 
-Hashes are the 64-bit ints KV events carry. Workers are bits of an int mask, so a lookup walks the
-request's block hashes once, AND-ing masks: ``match`` costs time proportional to the blocks matched
-(it stops when no worker holds the next block), not to the fleet or the index size.
-
-Invariants:
-- ``_masks[tier][h]`` has bit ``b`` set iff ``h in _held[tier][worker with bit b]``;
-- an entry whose mask becomes 0 is deleted, so the index holds only blocks someone holds.
+Hashes are the 64-bit ints KV events carry. A lookup asks, per worker, for the longest prefix of the
+request's block chain that worker holds. Because hashes are chained (block i's hash covers blocks
+0..i), a worker that holds block i almost always holds the blocks before it (vLLM evicts a chain's
+tail first), so the depth is found by binary search — O(log n) set probes — and then verified in one
+C-speed ``issuperset`` over the prefix; the rare worker whose chain has a hole falls back to a linear
+walk that stops at the hole. Memory: one set entry per (worker, block).
 """
 
 from __future__ import annotations
@@ -29,105 +28,88 @@ def tier_of(medium: object) -> Tier | None:
     return None
 
 
+def _depth(held: set[int], hashes: Sequence[int]) -> int:
+    n = len(hashes)
+    if n == 0 or hashes[0] not in held:
+        return 0
+    if hashes[-1] in held and held.issuperset(hashes):
+        return n
+    lo, hi = 1, n - 1  # hashes[:lo] is the candidate prefix; hashes[-1] is known missing
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if hashes[mid - 1] in held:
+            lo = mid
+        else:
+            hi = mid - 1
+    if held.issuperset(hashes[:lo]):
+        return lo
+    for i, h in enumerate(hashes):  # a hole in the chain: the prefix ends at the first one
+        if h not in held:
+            return i
+    return n
+
+
 class PrefixIndex:
     def __init__(self) -> None:
-        self._bits: dict[WorkerId, int] = {}
-        self._free_bits: list[int] = []
-        self._masks: dict[Tier, dict[int, int]] = {t: {} for t in TIERS}
         self._held: dict[Tier, dict[WorkerId, set[int]]] = {t: {} for t in TIERS}
 
-    # -- workers ---------------------------------------------------------------------------------
-    def _bit(self, worker: WorkerId) -> int:
-        b = self._bits.get(worker)
-        if b is None:
-            b = self._free_bits.pop() if self._free_bits else len(self._bits)
-            self._bits[worker] = b
+    def _set(self, worker: WorkerId, tier: Tier) -> set[int]:
+        s = self._held[tier].get(worker)
+        if s is None:
             for t in TIERS:
-                self._held[t][worker] = set()
-        return b
+                self._held[t].setdefault(worker, set())
+            s = self._held[tier][worker]
+        return s
 
     def workers(self) -> list[WorkerId]:
-        return list(self._bits)
+        return list(self._held["GPU"])
 
     def block_count(self, worker: WorkerId | None = None, tier: Tier = "GPU") -> int:
+        """Blocks held by ``worker``, or (worker, block) entries over all workers."""
         if worker is None:
-            return len(self._masks[tier])
+            return sum(len(s) for s in self._held[tier].values())
         return len(self._held[tier].get(worker, ()))
 
     # -- updates ---------------------------------------------------------------------------------
     def store(self, worker: WorkerId, hashes: Iterable[int], tier: Tier = "GPU") -> None:
-        flag = 1 << self._bit(worker)
-        masks = self._masks[tier]
-        held = self._held[tier][worker]
-        for h in hashes:
-            masks[h] = masks.get(h, 0) | flag
-            held.add(h)
+        self._set(worker, tier).update(hashes)
 
     def remove(self, worker: WorkerId, hashes: Iterable[int], tier: Tier = "GPU") -> int:
         """Drop blocks; returns how many were actually held (unknown ones are ignored)."""
-        b = self._bits.get(worker)
-        if b is None:
+        s = self._held[tier].get(worker)
+        if not s:
             return 0
-        keep = ~(1 << b)
-        masks = self._masks[tier]
-        held = self._held[tier][worker]
-        n = 0
-        for h in hashes:
-            if h in held:
-                held.discard(h)
-                m = masks[h] & keep
-                if m:
-                    masks[h] = m
-                else:
-                    del masks[h]
-                n += 1
-        return n
+        before = len(s)
+        s.difference_update(hashes)
+        return before - len(s)
 
     def clear(self, worker: WorkerId, tier: Tier | None = None) -> int:
         """Forget everything a worker holds (AllBlocksCleared, an event gap, a worker gone)."""
         n = 0
         for t in (tier,) if tier else TIERS:
-            held = self._held[t].get(worker)
-            if held:
-                n += self.remove(worker, list(held), t)
+            s = self._held[t].get(worker)
+            if s:
+                n += len(s)
+                s.clear()
         return n
 
     def drop_worker(self, worker: WorkerId) -> None:
-        self.clear(worker)
-        b = self._bits.pop(worker, None)
-        if b is not None:
-            self._free_bits.append(b)
-            for t in TIERS:
-                self._held[t].pop(worker, None)
+        for t in TIERS:
+            self._held[t].pop(worker, None)
 
     # -- lookups ---------------------------------------------------------------------------------
     def match(self, hashes: Sequence[int], tier: Tier = "GPU",
               workers: Iterable[WorkerId] | None = None) -> dict[WorkerId, int]:
         """Longest cached prefix, in blocks, of ``hashes`` on each worker (absent: 0)."""
-        bits = self._bits if workers is None else {w: self._bits[w] for w in workers if w in self._bits}
-        if not bits or not hashes:
-            return {}
-        alive = 0
-        for b in bits.values():
-            alive |= 1 << b
-        masks = self._masks[tier]
-        depth_by_bit: dict[int, int] = {}
-        for i, h in enumerate(hashes):
-            m = masks.get(h, 0) & alive
-            if m != alive:
-                gone = alive & ~m
-                while gone:
-                    low = gone & -gone
-                    depth_by_bit[low.bit_length() - 1] = i
-                    gone ^= low
-                alive = m
-                if not alive:
-                    break
-        while alive:  # workers that hold the whole sequence
-            low = alive & -alive
-            depth_by_bit[low.bit_length() - 1] = len(hashes)
-            alive ^= low
-        return {w: depth_by_bit.get(b, 0) for w, b in bits.items() if depth_by_bit.get(b, 0) > 0}
+        held = self._held[tier]
+        out: dict[WorkerId, int] = {}
+        for w in held if workers is None else workers:
+            s = held.get(w)
+            if s:
+                d = _depth(s, hashes)
+                if d:
+                    out[w] = d
+        return out
 
     def snapshot(self) -> Mapping[WorkerId, Mapping[Tier, int]]:
-        return {w: {t: len(self._held[t][w]) for t in TIERS} for w in self._bits}
+        return {w: {t: len(self._held[t].get(w, ())) for t in TIERS} for w in self._held["GPU"]}

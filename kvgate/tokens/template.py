@@ -7,7 +7,6 @@ escapes HTML, which would change the prompt's bytes).
 
 from __future__ import annotations
 
-import copy
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -40,35 +39,44 @@ def compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
-def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     """What vLLM hands the template: text parts joined, tool-call argument strings parsed into objects.
 
-    vLLM parses assistant ``tool_calls[].function.arguments`` from JSON strings into dicts before
-    rendering (transformers' convention), so the template re-serialises them with ``tojson``. The
-    bytes the engine caches are therefore the re-serialised arguments, not the client's string.
+    vLLM flattens text content parts with "\\n" for templates that take string content (it detects the
+    template's content format; ours reads strings), and parses assistant
+    ``tool_calls[].function.arguments`` from JSON strings into dicts (transformers' convention; empty
+    becomes ``{}``), so the template re-serialises them with ``tojson``: the bytes the engine caches are
+    the re-serialised arguments, not the client's string. Messages that need neither are passed as
+    they are (no copy: long histories are rendered on every request).
     """
-    out: list[dict[str, Any]] = []
+    out: list[Mapping[str, Any]] = []
     for m in messages:
-        msg = copy.deepcopy(dict(m))
-        content = msg.get("content")
+        content = m.get("content")
+        calls = m.get("tool_calls") if m.get("role") == "assistant" else None
+        if not isinstance(content, list) and not calls:
+            out.append(m)
+            continue
+        msg = dict(m)
         if isinstance(content, list):
-            # vLLM flattens text parts with "\n" for templates that take string content (it detects
-            # the template's content format; ours reads strings).
             msg["content"] = "\n".join(p.get("text", "") for p in content
                                        if isinstance(p, dict) and p.get("type") == "text")
-        if msg.get("role") == "assistant" and msg.get("tool_calls"):
-            for call in msg["tool_calls"]:
+        if calls:
+            new_calls = []
+            for call in calls:
                 fn = call.get("function") if isinstance(call, dict) else None
                 if not isinstance(fn, dict):
+                    new_calls.append(call)
                     continue
                 args = fn.get("arguments")
                 if not args:
-                    fn["arguments"] = {}  # vLLM turns None/"" into an empty object
+                    args = {}
                 elif isinstance(args, str):
                     try:
-                        fn["arguments"] = json.loads(args)
+                        args = json.loads(args)
                     except json.JSONDecodeError:
                         pass  # left as a string: the template prints it verbatim
+                new_calls.append({**call, "function": {**fn, "arguments": args}})
+            msg["tool_calls"] = new_calls
         out.append(msg)
     return out
 

@@ -31,6 +31,9 @@ class ChatTokenizer:
             raise ValueError(f"{model_dir}: no chat template found")
         special = {k: cfg.get(k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
         self.template = ChatTemplate(source, {k: v for k, v in special.items() if isinstance(v, str)})
+        self.special_tokens: tuple[str, ...] = tuple(
+            str(v["content"]) for v in (cfg.get("added_tokens_decoder") or {}).values()
+            if isinstance(v, dict) and v.get("special"))
         eos = cfg.get("eos_token")
         self.eos_token_id: int | None = self._tok.token_to_id(eos) if isinstance(eos, str) else None
         self.max_model_len = int(cfg.get("model_max_length", 4096))
@@ -41,6 +44,21 @@ class ChatTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def encode_with_ends(self, text: str) -> tuple[list[int], list[int]]:
+        """Token ids and the character offset where each token ends (for incremental re-tokenization)."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return list(enc.ids), [e for _, e in enc.offsets]
+
+    def last_safe_split(self, text: str, before: int) -> int:
+        """The start of the last special token at or before ``before``: tokenization never crosses a
+        special token, so the text can be re-tokenized from there on its own. 0 if there is none."""
+        best = 0
+        for sp in self.special_tokens:
+            i = text.rfind(sp, 0, before + 1)
+            if i > best:
+                best = i
+        return best
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
