@@ -107,6 +107,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     bn.add_argument("--out", default="bench-out")
     bn.add_argument("--quick", action="store_true", help="first 3000 requests only")
     bn.add_argument("--no-dynamo", action="store_true", help="skip Dynamo's replay")
+    bn.add_argument("--no-peers", action="store_true", help="skip the real-process peer routers")
 
     dv = sub.add_parser("dev", help="developer tools: `kvgate dev engines up|down|status|install`")
     dv.add_argument("tool", choices=["engines"])
@@ -129,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         from kvgate.bench import mooncake
 
         mooncake.run(Path(args.trace) if args.trace else mooncake.DEFAULT_TRACE, Path(args.out), args.quick,
-                     not args.no_dynamo)
+                     not args.no_dynamo, not args.no_peers)
     elif args.cmd == "dev":
         from kvgate.dev.engines import cli as engines_cli
 

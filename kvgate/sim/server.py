@@ -281,7 +281,10 @@ class SimWorker:
             return max_tokens
         rid = self._new_id("cmpl")
         raw_spec = body.get("sim")
-        spec: dict[str, Any] = raw_spec if isinstance(raw_spec, dict) else {}
+        spec: dict[str, Any] = dict(raw_spec) if isinstance(raw_spec, dict) else {}
+        if body.get("ignore_eos") is True and "answer_tokens" not in spec:
+            # vLLM's ignore_eos: generate until max_tokens (benchmarks control output length this way).
+            spec["answer_tokens"] = max_tokens
         try:
             script = script_for(None, None, {**spec, "tool_calls": 0}, _key(prompt), rid)
         except BadSimSpec as exc:
