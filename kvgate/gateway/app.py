@@ -215,15 +215,20 @@ def create_app(settings: GatewaySettings, clock: Clock | None = None,
 
     @app.get("/admin/conversations/{cid:path}")
     async def conversation(cid: str) -> JSONResponse:
-        s = await gw.sessions.peek(ConversationId(cid))
+        try:
+            s = await gw.sessions.peek(ConversationId(cid))
+        except SessionStoreError as exc:
+            return JSONResponse(error_body(str(exc), "service_unavailable", None, "session_store_unavailable"),
+                                status_code=503)
         if s is None:
             return JSONResponse(error_body(f"conversation `{cid}` not found", "not_found_error", "id", None),
                                 status_code=404)
         return JSONResponse(json.loads(json.dumps({
             "conversation_id": s.conversation_id, "id_source": s.id_source, "home_worker": s.home_worker,
             "last_activity": s.last_activity,
+            "turn_count": s.turn_count,
             "turns": [{"worker": t.worker, "reason": t.reason, "prompt_tokens": t.prompt_tokens,
-                       "cached_tokens": t.cached_tokens, "completion_tokens": t.completion_tokens,
-                       "ttft_s": t.ttft_s} for t in s.turns]})))
+                       "expected_cached_tokens": t.expected_cached_tokens, "cached_tokens": t.cached_tokens,
+                       "completion_tokens": t.completion_tokens, "ttft_s": t.ttft_s} for t in s.turns]})))
 
     return app
