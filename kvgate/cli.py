@@ -115,6 +115,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "httpcore", "matplotlib"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)  # one line per request drowns everything else
     if args.cmd == "serve":
         asyncio.run(_serve(args))
     elif args.cmd == "sim":

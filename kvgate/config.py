@@ -112,6 +112,12 @@ class GatewaySettings(_YamlSettings):
     """Approximate mode: how long a routed prompt is assumed to stay cached on its worker."""
     cost: CostParams = Field(default_factory=CostParams)
     """Cost-model parameters; tunable at run time through PATCH /admin/policy."""
+    protocols: dict[str, str] = Field(default_factory=dict)
+    """Model name -> protocol profile (generic-vllm, qwen3, deepseek-v3, deepseek-r1, gpt-oss, kimi-k2,
+    kvgate-tiny); a model named like a profile uses it, others generic-vllm."""
+    reasoning_policy: str = "keep"
+    """What a completed turn's reasoning becomes in later requests: keep, drop or truncate:N."""
+    tenant_reasoning_policies: dict[str, str] = Field(default_factory=dict)
     max_tracked_conversations: int = Field(10_000, ge=0)
     """Conversations whose prompt tokens and block hashes are kept for incremental hashing."""
 
@@ -121,6 +127,29 @@ class GatewaySettings(_YamlSettings):
         if not v:
             raise ValueError("at least one conversation header is needed")
         return [h.strip().lower() for h in v]
+
+    @field_validator("reasoning_policy")
+    @classmethod
+    def _policy(cls, v: str) -> str:
+        from kvgate.gateway.protocols import ReasoningPolicy
+
+        return str(ReasoningPolicy.parse(v))
+
+    @field_validator("tenant_reasoning_policies")
+    @classmethod
+    def _tenant_policies(cls, v: dict[str, str]) -> dict[str, str]:
+        from kvgate.gateway.protocols import ReasoningPolicy
+
+        return {t: str(ReasoningPolicy.parse(p)) for t, p in v.items()}
+
+    @field_validator("protocols")
+    @classmethod
+    def _protocols(cls, v: dict[str, str]) -> dict[str, str]:
+        from kvgate.gateway.protocols import get_protocol
+
+        for p in v.values():
+            get_protocol(p)
+        return v
 
     @model_validator(mode="after")
     def _unique_ids(self) -> GatewaySettings:

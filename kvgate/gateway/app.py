@@ -27,6 +27,7 @@ from kvgate.gateway.prefix import PrefixKnowledge
 from kvgate.gateway.prompts import PromptBuilder
 from kvgate.gateway.proxy import Proxy
 from kvgate.gateway.telemetry import GatewayMetrics, PrefixCollector
+from kvgate.gateway.turns import TurnKeeper
 from kvgate.gateway.workers import WorkerPool
 from kvgate.kvstore.redis_sessions import RedisSessionStore, SessionStoreError
 from kvgate.kvstore.sessions import MemorySessionStore, SessionStore
@@ -80,8 +81,10 @@ class Gateway:
         tokenizers = {m: ChatTokenizer(Path(d)) for m, d in settings.tokenizers.items()}
         hashers = {w.model: VllmHasher(w.block_size, w.hash_algo, settings.hash_seed) for w in settings.workers}
         self.prompts = PromptBuilder(tokenizers, hashers, self._worker_tokenize, settings.max_tracked_conversations)
+        self.turns = TurnKeeper(settings.protocols, settings.reasoning_policy, settings.tenant_reasoning_policies,
+                                self.prompts, settings.max_tracked_conversations)
         self.proxy = Proxy(settings, self.pool, self.policy, self.sessions, self.metrics, self.client, self.clock,
-                           self.prompts, self.prefix)
+                           self.prompts, self.prefix, self.turns)
         self.metrics.registry.register(PrefixCollector(self))
         self.draining = False
 
@@ -229,6 +232,9 @@ def create_app(settings: GatewaySettings, clock: Clock | None = None,
             "turn_count": s.turn_count,
             "turns": [{"worker": t.worker, "reason": t.reason, "prompt_tokens": t.prompt_tokens,
                        "expected_cached_tokens": t.expected_cached_tokens, "cached_tokens": t.cached_tokens,
-                       "completion_tokens": t.completion_tokens, "ttft_s": t.ttft_s} for t in s.turns]})))
+                       "completion_tokens": t.completion_tokens, "ttft_s": t.ttft_s,
+                       "lost_tokens": t.lost_tokens, "loss_cause": t.loss_cause, "loss_detail": t.loss_detail,
+                       "cache_lost_tokens": t.cache_lost_tokens, "cache_loss_cause": t.cache_loss_cause}
+                      for t in s.turns]})))
 
     return app

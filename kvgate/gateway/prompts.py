@@ -48,6 +48,7 @@ class Prompt:
     """Event-form (64-bit) hashes of the prompt's full blocks; empty when the tokens are unknown."""
     source: Source
     reused_blocks: int = 0
+    tokens: tuple[int, ...] | None = None
     """Blocks whose hashes came from the conversation's previous prompt (not recomputed)."""
 
 
@@ -127,7 +128,7 @@ class PromptBuilder:
             self._ints[conversation] = ints
             if len(self._ints) > self._max:
                 self._ints = {k: v for k, v in self._ints.items() if k in self._chains}
-        return Prompt(len(tokens), tuple(ints), source, reused)
+        return Prompt(len(tokens), tuple(ints), source, reused, tuple(tokens))
 
     async def _tokens(self, model: str, endpoint: str, body: Mapping[str, Any], conversation: str = ""
                       ) -> tuple[list[int] | None, Source]:
@@ -202,6 +203,21 @@ class PromptBuilder:
             while len(self._chains) > self._max:
                 self._chains.popitem(last=False)
         return hashes, keep
+
+    def render_tokens(self, model: str, messages: list[dict[str, Any]], tools: Any, key: str) -> list[int] | None:
+        """Tokens of ``messages`` rendered as history (no generation prompt), incrementally under ``key``;
+        None without a local tokenizer. The trailing newline the template writes after the last message is
+        not something the engine generated, so it is left out."""
+        tok = self._tok.get(model)
+        if tok is None or self.mode.get(model) != "local":
+            return None
+        try:
+            text = tok.render_chat(messages, tools, add_generation_prompt=False)
+        except (TemplateError, TypeError, ValueError, KeyError):
+            return None
+        tokens = self._encode_incremental(tok, key, text.rstrip("\n"))
+        self._chains[key] = (tokens, [], None)
+        return tokens
 
     def forget(self, conversation: str) -> None:
         self._ints.pop(conversation, None)

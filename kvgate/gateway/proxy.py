@@ -13,7 +13,7 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 import httpx
@@ -24,11 +24,14 @@ from kvgate.clock import Clock
 from kvgate.config import GatewaySettings
 from kvgate.errors import ApiError, BadRequest, NotFound, PayloadTooLarge, ServiceUnavailable
 from kvgate.gateway import identity
+from kvgate.gateway.history import Canonical
+from kvgate.gateway.loss import PromptLoss, explain_cache
 from kvgate.gateway.prefix import PrefixKnowledge
 from kvgate.gateway.prompts import Prompt, PromptBuilder
 from kvgate.gateway.requests import KVGATE_FIELDS, validate_chat, validate_completion
 from kvgate.gateway.sse import SseEvent, SseSplitter, error_event
 from kvgate.gateway.telemetry import GatewayMetrics
+from kvgate.gateway.turns import Reply, TurnKeeper
 from kvgate.gateway.workers import WorkerPool
 from kvgate.kvstore.redis_sessions import SessionStoreError
 from kvgate.kvstore.sessions import Session, SessionStore, TurnRecord
@@ -75,16 +78,29 @@ class _Ctx:
     prompt: Prompt
     ttft_s: float | None = None
     usage: Usage | None = None
+    canonical: Canonical | None = None
+    policy: str = ""
+    loss: PromptLoss | None = None
+    reply: Reply = field(default_factory=Reply)
+    chosen_matched_tokens: int = 0
+    best_matched_tokens: int = 0
 
     @property
     def prefill_tokens(self) -> int:
         return max(1, self.prompt.length - self.decision.expected_cached_tokens)
 
 
+@dataclass(slots=True)
+class _Turn:
+    canonical: Canonical
+    policy: str
+    loss: PromptLoss | None = None
+
+
 class Proxy:
     def __init__(self, settings: GatewaySettings, pool: WorkerPool, policy: Policy, sessions: SessionStore,
                  metrics: GatewayMetrics, client: httpx.AsyncClient, clock: Clock, prompts: PromptBuilder,
-                 prefix: PrefixKnowledge) -> None:
+                 prefix: PrefixKnowledge, turns: TurnKeeper) -> None:
         self.settings = settings
         self.pool = pool
         self.policy = policy
@@ -94,6 +110,7 @@ class Proxy:
         self.clock = clock
         self.prompts = prompts
         self.prefix = prefix
+        self.turns = turns
 
     # -- entry ---------------------------------------------------------------------------------
     async def handle(self, request: Request, endpoint: Endpoint) -> Response:
@@ -123,8 +140,21 @@ class Proxy:
             self.metrics.session_store_errors.inc()
             log.warning("session store: %s", exc)
             session = None
+        turn: _Turn | None = None
+        if endpoint == "chat":
+            # The history the engine sees: exact replies restored, completed turns canonical.
+            requested = body.get("reasoning_policy") or request.headers.get("x-kvgate-reasoning-policy")
+            protocol = self.turns.protocol(model, ident.tenant, requested)
+            canonical = self.turns.canonical(protocol, body["messages"], ident.conversation_id)
+            body = {**body, "messages": canonical.messages}
+            turn = _Turn(canonical, str(protocol.policy))
         prompt = await self.prompts.prepare(model, endpoint, body, ident.conversation_id)
         self.metrics.prompt_source.labels(prompt.source).inc()
+        if turn is not None:
+            turn.loss = self.turns.explain(model, ident.conversation_id, prompt.tokens, self.prefix.block_size(model),
+                                           turn.canonical, body.get("tools"))
+            for r in turn.canonical.restored:
+                self.metrics.restored.labels(r.field.split(":")[0]).inc()
         fwd = {k: v for k, v in body.items() if k not in KVGATE_FIELDS}
         stream = bool(body.get("stream"))
         hide_usage = False
@@ -137,7 +167,7 @@ class Proxy:
         headers = {k: v for k, v in request.headers.items() if k in _FORWARD_HEADERS}
         payload = json.dumps(fwd).encode()
         return await self._route_and_send(request, endpoint, model, ident, session, prompt, payload, headers,
-                                          stream, hide_usage)
+                                          stream, hide_usage, turn)
 
     async def _read_json(self, request: Request) -> dict[str, Any]:
         limit = self.settings.max_body_bytes
@@ -161,7 +191,7 @@ class Proxy:
     # -- routing and retries -------------------------------------------------------------------
     async def _route_and_send(self, request: Request, endpoint: Endpoint, model: str, ident: identity.Identity,
                               session: Session | None, prompt: Prompt, payload: bytes, headers: dict[str, str],
-                              stream: bool, hide_usage: bool) -> Response:
+                              stream: bool, hide_usage: bool, turn: _Turn | None = None) -> Response:
         tried: set[WorkerId] = set()
         last_error = ""
         fleet = self.pool.snapshot(model)
@@ -180,6 +210,11 @@ class Proxy:
             wid = decision.worker
             tried.add(wid)
             ctx = _Ctx(endpoint, model, ident, session, decision, self.clock.now(), prompt)
+            bs = self.prefix.block_size(model)
+            ctx.chosen_matched_tokens = matched.get(wid, 0) * bs
+            ctx.best_matched_tokens = max(matched.values(), default=0) * bs
+            if turn is not None:
+                ctx.canonical, ctx.policy, ctx.loss = turn.canonical, turn.policy, turn.loss
             worker = self.pool.get(wid)
             self.pool.acquire(wid, ctx.prefill_tokens)
             released = False
@@ -223,6 +258,10 @@ class Proxy:
                     await upstream.aclose()
                 obj = _loads(content)
                 ctx.usage = Usage.parse(obj.get("usage")) if obj else None
+                choices = obj.get("choices") if obj else None
+                if isinstance(choices, list) and choices and isinstance(choices[0], dict) \
+                        and isinstance(choices[0].get("message"), dict):
+                    ctx.reply.set_message(choices[0]["message"])
                 ctx.ttft_s = None
                 await self._record(ctx)
                 return Response(content, status_code=upstream.status_code,
@@ -252,7 +291,18 @@ class Proxy:
             "x-kvgate-conversation-id": ctx.ident.conversation_id,
             "x-kvgate-conversation-source": ctx.ident.source,
             "x-kvgate-expected-cached-tokens": str(ctx.decision.expected_cached_tokens),
+            **self._history_headers(ctx),
         }
+
+    def _history_headers(self, ctx: _Ctx) -> dict[str, str]:
+        if ctx.canonical is None:
+            return {}
+        out = {"x-kvgate-history": f"policy={ctx.policy}; restored={len(ctx.canonical.restored)}; "
+                                   f"reasoning_changed={len(ctx.canonical.reasoning_changed)}"}
+        if ctx.loss is not None:
+            out["x-kvgate-prefix-reuse"] = (f"cached={ctx.decision.expected_cached_tokens}; expected={ctx.loss.best}; "
+                                            f"lost={ctx.loss.lost}; cause={ctx.loss.cause or 'none'}")
+        return out
 
     async def _until_disconnect(self, request: Request, aw: Awaitable[T]) -> T:
         """Await ``aw``, but give up (raising ClientGone) if the client disconnects first."""
@@ -320,6 +370,12 @@ class Proxy:
             ctx.ttft_s = self.clock.now() - ctx.started
             self.metrics.ttft.labels(ctx.model).observe(ctx.ttft_s)
             self.pool.first_token(ctx.decision.worker, ctx.prefill_tokens, ctx.prompt.length)
+        if ctx.canonical is not None and isinstance(choices, list) and choices and isinstance(choices[0], dict):
+            delta = choices[0].get("delta")
+            if isinstance(delta, dict):
+                ctx.reply.add_delta(delta)
+            if choices[0].get("finish_reason"):
+                ctx.reply.complete = True
         if hide_usage and choices == [] and usage is not None:
             return None
         if hide_usage and usage is not None:
@@ -341,8 +397,21 @@ class Proxy:
                 ctx.usage.cached_tokens - ctx.decision.expected_cached_tokens)
             self.metrics.expected_cached.labels(self.policy.name).inc(ctx.decision.expected_cached_tokens)
         u = ctx.usage or Usage(0, 0, 0)
+        lost, cause, detail, cache_lost, cache_cause = 0, None, "", 0, None
+        if ctx.loss is not None:
+            lost, cause, detail = ctx.loss.lost, ctx.loss.cause, ctx.loss.detail
+            if lost and cause:
+                self.metrics.tokens_lost.labels(cause).inc(lost)
+            if ctx.usage is not None:
+                cache_lost, cache_cause = explain_cache(ctx.loss.best, u.cached_tokens, ctx.chosen_matched_tokens,
+                                                        ctx.best_matched_tokens)
+                if cache_lost and cache_cause:
+                    self.metrics.tokens_lost.labels(cache_cause).inc(cache_lost)
+        if ctx.canonical is not None and ctx.reply.complete:
+            self.turns.completed(ctx.ident.conversation_id, ctx.canonical.messages, ctx.reply)
         turn = TurnRecord(wid, ctx.decision.reason, u.prompt_tokens, u.cached_tokens, u.completion_tokens,
-                          ctx.ttft_s, ctx.decision.expected_cached_tokens)
+                          ctx.ttft_s, ctx.decision.expected_cached_tokens, lost, cause, detail, cache_lost,
+                          cache_cause)
         now = self.clock.now()
         ident = ctx.ident
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from kvgate.errors import BadRequest, UnprocessableEntity
 
-KVGATE_FIELDS = ("conversation_id",)
+KVGATE_FIELDS = ("conversation_id", "reasoning_policy")
 """Request fields that belong to kvgate and are removed before forwarding."""
 
 _ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
@@ -60,6 +60,8 @@ def validate_chat(body: dict[str, Any]) -> None:
               "a string or an array of content parts")
     if body.get("tools") is not None:
         _type(isinstance(body["tools"], list), "tools", "an array")
+    if body.get("reasoning_policy") is not None:
+        _type(isinstance(body["reasoning_policy"], str), "reasoning_policy", "a string (keep, drop, truncate:N)")
 
 
 def validate_completion(body: dict[str, Any]) -> None:

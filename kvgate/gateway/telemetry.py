@@ -55,6 +55,12 @@ class GatewayMetrics:
             "kvgate_expected_vs_actual_cached_tokens",
             "Cached tokens the worker reported minus those the routing decision expected.", ["policy"],
             buckets=(-8192, -2048, -512, -128, -1, 0, 127, 511, 2047, 8191), registry=r)
+        self.tokens_lost = Counter("kvgate_prefix_tokens_lost",
+                                   "History tokens that could have been reused and were not, by cause.", ["cause"],
+                                   registry=r)
+        self.restored = Counter("kvgate_history_restored",
+                                "Assistant messages restored to their exact form, by what the client changed.",
+                                ["field"], registry=r)
         self.expected_cached = Counter("kvgate_expected_cached_tokens",
                                        "Cached tokens the routing decisions expected.", ["policy"], registry=r)
 

@@ -23,6 +23,13 @@ class TurnRecord:
     completion_tokens: int
     ttft_s: float | None
     expected_cached_tokens: int = 0
+    lost_tokens: int = 0
+    """History the prompt could have reused and did not (see gateway/loss.py)."""
+    loss_cause: str | None = None
+    loss_detail: str = ""
+    cache_lost_tokens: int = 0
+    """Reusable prefix the chosen worker did not have."""
+    cache_loss_cause: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,193 @@
+"""Turn-scoped reasoning: the conversation history as kvgate sends it.
+
+Inside the open turn (the last real user message and the assistant/tool chain after it) the model's
+output goes back exactly as it was generated. Completed turns (everything before that user message)
+are rewritten into a canonical form: their reasoning kept, dropped or truncated as the model protocol
+and the policy say. Stateless clients that echo history back often re-serialise the assistant's
+messages (tool-call arguments re-dumped, reasoning moved to another field or omitted); kvgate recognises
+its own messages and restores the exact form — never when the content really changed. The same
+inputs always give the same canonical history, so it stays byte-stable turn after turn. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvgate.gateway.protocols import ModelProtocol
+
+Message = dict[str, Any]
+REASONING_FIELDS = ("reasoning", "reasoning_content")
+
+
+def reasoning_of(m: Mapping[str, Any]) -> tuple[str | None, str | None]:
+    """(the reasoning text, the field it was found in)."""
+    for f in REASONING_FIELDS:
+        v = m.get(f)
+        if isinstance(v, str) and v:
+            return v, f
+    return None, None
+
+
+def is_real_user(m: Mapping[str, Any]) -> bool:
+    """A user message that starts a turn (not a tool result wrapped as user content)."""
+    if m.get("role") != "user":
+        return False
+    c = m.get("content")
+    return not (isinstance(c, str) and c.startswith("<tool_response>") and c.endswith("</tool_response>"))
+
+
+def open_turn_start(messages: Sequence[Mapping[str, Any]]) -> int:
+    """Index of the user message that opens the current turn (0 if there is none)."""
+    for i in range(len(messages) - 1, -1, -1):
+        if is_real_user(messages[i]):
+            return i
+    return 0
+
+
+def _args(call: Mapping[str, Any]) -> Any:
+    fn = call.get("function") or {}
+    a = fn.get("arguments")
+    if isinstance(a, str):
+        try:
+            return json.loads(a) if a.strip() else {}
+        except json.JSONDecodeError:
+            return a
+    return a if a is not None else {}
+
+
+def _calls(m: Mapping[str, Any]) -> list[tuple[Any, Any]]:
+    return [((c.get("function") or {}).get("name"), _args(c)) for c in m.get("tool_calls") or []]
+
+
+def _content(m: Mapping[str, Any]) -> str:
+    c = m.get("content")
+    return c if isinstance(c, str) else ""
+
+
+@dataclass(frozen=True, slots=True)
+class Restoration:
+    index: int
+    field: str
+    """What the client changed without changing the meaning: ``tool_calls.arguments``,
+    ``reasoning_omitted``, ``reasoning_field:<name>``."""
+
+
+def reserialization(client: Mapping[str, Any], exact: Mapping[str, Any]) -> list[str] | None:
+    """The fields a client re-serialised, or None if the client really changed the message."""
+    if client.get("role") != "assistant" or _content(client) != _content(exact):
+        return None
+    if _calls(client) != _calls(exact):
+        return None
+    r_client, f_client = reasoning_of(client)
+    r_exact, _ = reasoning_of(exact)
+    diffs = []
+    if r_client is None and r_exact is not None:
+        diffs.append("reasoning_omitted")
+    elif r_client is not None and r_client != r_exact:
+        return None  # the reasoning itself was edited: the client's choice, kept
+    elif r_client is not None and f_client != "reasoning" and f_client is not None:
+        diffs.append(f"reasoning_field:{f_client}")
+    ex_args = [(c.get("function") or {}).get("arguments") for c in exact.get("tool_calls") or []]
+    cl_args = [(c.get("function") or {}).get("arguments") for c in client.get("tool_calls") or []]
+    if ex_args != cl_args:
+        diffs.append("tool_calls.arguments")
+    return diffs
+
+
+class ExactStore:
+    """Per conversation, the assistant messages exactly as the worker generated them (bounded)."""
+
+    def __init__(self, max_conversations: int = 10_000, per_conversation: int = 256) -> None:
+        self._max = max_conversations
+        self._per = per_conversation
+        self._data: OrderedDict[str, list[Message]] = OrderedDict()
+
+    def add(self, conversation: str, message: Message) -> None:
+        items = self._data.setdefault(conversation, [])
+        items.append(message)
+        del items[: -self._per]
+        self._data.move_to_end(conversation)
+        while len(self._data) > self._max:
+            self._data.popitem(last=False)
+
+    def messages(self, conversation: str) -> list[Message]:
+        return self._data.get(conversation, [])
+
+    def find(self, conversation: str, client: Mapping[str, Any]) -> Message | None:
+        ids = [c.get("id") for c in client.get("tool_calls") or [] if c.get("id")]
+        for m in reversed(self._data.get(conversation, [])):
+            if ids and [c.get("id") for c in m.get("tool_calls") or []] == ids:
+                return m
+            if not ids and _content(m) == _content(client) and not m.get("tool_calls") and _content(m):
+                return m
+        return None
+
+
+@dataclass
+class Canonical:
+    messages: list[Message]
+    restored: list[Restoration] = field(default_factory=list)
+    reasoning_changed: list[int] = field(default_factory=list)
+    """Completed-turn assistant messages whose reasoning the policy dropped or truncated."""
+    open_turn: int = 0
+
+
+def canonicalize(messages: Sequence[Mapping[str, Any]], protocol: ModelProtocol, store: ExactStore,
+                 conversation: str, truncate: Callable[[str, int], str]) -> Canonical:
+    out: list[Message] = []
+    restored: list[Restoration] = []
+    changed: list[int] = []
+    start = open_turn_start(messages)
+    for i, m in enumerate(messages):
+        msg: Message = dict(m)
+        if msg.get("role") == "assistant":
+            exact = store.find(conversation, msg)
+            diffs = reserialization(msg, exact) if exact is not None else None
+            if exact is not None and diffs is not None:
+                restored += [Restoration(i, d) for d in diffs]
+                msg = _exact_form(exact, msg)
+            msg = _reasoning_to(msg, protocol.reasoning_in)
+            if i < start:
+                msg, did = _apply_policy(msg, protocol, truncate)
+                if did:
+                    changed.append(i)
+        out.append(msg)
+    return Canonical(out, restored, changed, start)
+
+
+def _exact_form(exact: Mapping[str, Any], client: Mapping[str, Any]) -> Message:
+    msg: Message = {k: v for k, v in client.items() if k not in REASONING_FIELDS and k != "tool_calls"}
+    msg["content"] = exact.get("content")
+    r, _ = reasoning_of(exact)
+    if r is not None:
+        msg["reasoning"] = r
+    if exact.get("tool_calls"):
+        msg["tool_calls"] = [dict(c) for c in exact["tool_calls"]]
+    return msg
+
+
+def _reasoning_to(msg: Message, field_in: str) -> Message:
+    r, f = reasoning_of(msg)
+    if r is None or f == field_in:
+        return msg
+    out = {k: v for k, v in msg.items() if k not in REASONING_FIELDS}
+    out[field_in] = r
+    return out
+
+
+def _apply_policy(msg: Message, protocol: ModelProtocol, truncate: Callable[[str, int], str]) -> tuple[Message, bool]:
+    r, f = reasoning_of(msg)
+    if r is None or f is None or protocol.policy.mode == "keep":
+        return msg, False
+    if protocol.reasoning_required_with_tools and msg.get("tool_calls"):
+        return msg, False  # DeepSeek: a turn that used tools must send its reasoning back
+    if protocol.policy.mode == "drop":
+        return {k: v for k, v in msg.items() if k not in REASONING_FIELDS}, True
+    cut = truncate(r, protocol.policy.tokens)
+    if cut == r:
+        return msg, False
+    return {**msg, f: cut}, True
