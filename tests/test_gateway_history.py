@@ -42,7 +42,9 @@ async def test_reserialised_tool_arguments_are_restored_and_keep_the_cache(make_
     assert r2.status_code == 200
     assert "restored=2" in r2.headers["x-kvgate-history"]
     info = reuse(r2)
-    assert info["cause"] in ("none", "block_alignment") and int(info["lost"]) < 128
+    async with httpx.AsyncClient() as h:
+        rec = (await h.get(c.url + "/admin/conversations/rs")).json()
+    assert info["cause"] in ("none", "block_alignment") and int(info["lost"]) < 128, (info, rec["turns"][-1])
     usage = r2.json()["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] == int(info["expected"])
     assert await metric(c, "kvgate_history_restored_total", field="tool_calls.arguments") == 1
@@ -57,7 +59,7 @@ async def test_new_user_turn_reports_reasoning_dropped_and_policy_drop(make_clus
              {"role": "user", "content": "and then?"}]
     r2 = await chat(c, "rd", msgs, sim={"tool_calls": 0}, headers={"x-kvgate-reasoning-policy": "drop"})
     info = reuse(r2)
-    assert info["cause"] == "reasoning_dropped" and int(info["lost"]) > 128
+    assert info["cause"] == "reasoning_dropped" and int(info["lost"]) > 0
     assert "policy=drop" in r2.headers["x-kvgate-history"]
     async with httpx.AsyncClient() as h:
         rec = (await h.get(c.url + "/admin/conversations/rd")).json()

@@ -44,6 +44,8 @@ class PromptLoss:
 
 
 def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    # Slice comparison is C-speed but only between the same sequence type (a list never equals a tuple).
+    a, b = list(a), list(b)
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
         return n

@@ -12,6 +12,7 @@ history costs no more per turn than a short one.
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import logging
 from collections import OrderedDict
@@ -144,7 +145,11 @@ class PromptBuilder:
                                            kwargs if isinstance(kwargs, dict) else None)
                     return self._encode_incremental(tok, conversation, text), "local"
                 if isinstance(body.get("prompt"), str):
-                    return tok.encode(body["prompt"], add_special_tokens=True), "local"
+                    prompt = body["prompt"]
+                    if len(prompt) > 4096:
+                        # tokenizers releases the GIL: a long prompt is encoded beside the event loop.
+                        return await asyncio.to_thread(tok.encode, prompt, True), "local"
+                    return tok.encode(prompt, add_special_tokens=True), "local"
             except (TemplateError, TypeError, ValueError, KeyError) as exc:
                 log.info("local tokenization failed (%s); asking a worker", exc)
         req = tokenize_body(endpoint, body)

@@ -359,6 +359,11 @@ class Proxy:
                 self.metrics.client_disconnects.inc()
 
     def _inspect(self, ctx: _Ctx, ev: SseEvent, hide_usage: bool) -> bytes | None:
+        # Most events are one token of output: decoding their JSON only to forward them unchanged costs
+        # more CPU than the rest of the relay. Decode only what kvgate needs: the first output (TTFT),
+        # usage, and the reply of a chat turn it keeps.
+        if ctx.ttft_s is not None and ctx.canonical is None and b'"usage"' not in ev.raw:
+            return ev.raw
         obj = ev.json()
         if obj is None:
             return ev.raw
