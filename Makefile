@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test lint typecheck unit clean
+.PHONY: demo test bench lint typecheck unit clean
 
 $(BIN)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit("kvgate needs Python >= 3.11, found " + sys.version.split()[0]) if sys.version_info < (3, 11) else None'
@@ -14,6 +14,9 @@ $(BIN)/.installed: pyproject.toml
 
 demo: $(BIN)/.installed
 	$(BIN)/kvgate demo
+
+bench: $(BIN)/.installed
+	$(BIN)/kvgate bench mooncake --out bench-out
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check kvgate tests
