@@ -166,8 +166,6 @@ def spawn(tmp_path: Path) -> Iterator[Any]:
 
 
 def free_port() -> int:
-    import socket
+    from kvgate.dev import engines
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return engines.free_port()

@@ -245,3 +245,32 @@ async def test_client_disconnect_cancels_upstream_non_stream(make_cluster: Any) 
             await h.post(c.url + "/v1/chat/completions", json=body)
     await eventually(lambda: sim.runner.aborted == 1)
     assert not sim.core.has_work()
+
+
+async def test_bad_conversation_ids_and_tool_calls_are_400(make_cluster: Any) -> None:
+    c = await make_cluster(1)
+    async with httpx.AsyncClient() as h:
+        r = await h.post(c.url + "/v1/chat/completions", json={"model": MODEL, "conversation_id": "会话/1",
+                                                               "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "conversation_id"
+        r = await h.post(c.url + "/v1/chat/completions", headers={"x-tenant-id": "acme/evil"},
+                         json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 400
+        r = await h.post(c.url + "/v1/chat/completions", json={"model": MODEL, "messages": [
+            {"role": "assistant", "content": "", "tool_calls": ["oops"]}, {"role": "user", "content": "x"}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].tool_calls[0]"
+    assert await c.gateway.sessions.count() == 0
+
+
+async def test_client_leaving_before_the_first_token_aborts_upstream(make_cluster: Any) -> None:
+    c = await make_cluster(1, sim={"speed": 0.05, "profile": "cpu-tiny"})  # a slow prefill
+    sim = c.sims[0][0]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "long " * 500}], "stream": True,
+            "max_tokens": 8}
+    async with httpx.AsyncClient(timeout=0.5) as h:
+        with pytest.raises(httpx.ReadTimeout):
+            async with h.stream("POST", c.url + "/v1/chat/completions", json=body) as r:
+                async for _ in r.aiter_lines():
+                    pass
+    await eventually(lambda: sim.runner.aborted == 1)
+    await eventually(lambda: c.gateway.pool.all()[0].in_flight == 0)

@@ -107,3 +107,12 @@ def test_canonical_form_is_stable_across_turns() -> None:
 def test_every_profile_is_shipped() -> None:
     assert {"generic-vllm", "qwen3", "deepseek-v3", "deepseek-r1", "gpt-oss", "kimi-k2", "kvgate-tiny"} <= set(PROFILES)
     assert PROFILES["deepseek-r1"].reasoning_in == "reasoning_content" and PROFILES["qwen3"].reasoning_in == "reasoning"
+
+
+def test_identical_replies_are_not_guessed() -> None:
+    s = ExactStore()
+    s.add("c", {"role": "assistant", "content": "Done.", "reasoning": "first"})
+    s.add("c", {"role": "assistant", "content": "Done.", "reasoning": "second"})
+    assert s.find("c", {"role": "assistant", "content": "Done."}) is None
+    s.add("d", {"role": "assistant", "content": "Unique.", "reasoning": "r"})
+    assert s.find("d", {"role": "assistant", "content": "Unique."}) is not None

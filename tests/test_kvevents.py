@@ -90,5 +90,14 @@ def test_malformed_and_unknown_are_counted_not_fatal() -> None:
 def test_late_join_replays_from_zero() -> None:
     s = state()
     assert s.on_message(W, 4, batch(stored(5))) == 0
-    s.on_replayed(W, [(0, batch(stored(1))), (4, batch(stored(5)))])
-    assert s.index.match([1]) == {W: 1} and s.index.match([5]) == {W: 1}
+    s.on_replayed(W, [(0, batch(stored(1))), (1, batch(stored(2))), (2, batch()), (3, batch()),
+                      (4, batch(stored(5)))])
+    assert s.index.match([1, 2]) == {W: 2} and s.index.match([5]) == {W: 1} and s.stats.replays_failed == 0
+
+
+def test_partial_replay_counts_as_failed() -> None:
+    s = state()
+    s.on_message(W, 0, batch(stored(1, 2, 3)))
+    assert s.on_message(W, 5, batch(stored(9))) == 1
+    s.on_replayed(W, [(4, batch(removed(3)))])  # seqs 1-3 no longer in the publisher's buffer
+    assert s.stats.replays_failed == 1 and s.index.match([1]) == {} and s.index.match([9]) == {W: 1}

@@ -76,3 +76,14 @@ async def test_token_id_prompts_and_salts(tokenizer: ChatTokenizer) -> None:
 def test_common_prefix() -> None:
     assert _common_prefix([1, 2, 3], [1, 2, 4]) == 2 and _common_prefix("abc", "abc") == 3
     assert _common_prefix([], [1]) == 0 and _common_prefix("x" * 1000 + "a", "x" * 1000 + "b") == 1000
+
+
+async def test_another_conversations_render_never_leaks_into_hashing(tokenizer: ChatTokenizer) -> None:
+    b = builder(tokenizer)
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "system " * 300}, {"role": "user", "content": "q"}]
+    await b.prepare("m", "chat", {"model": "m", "messages": msgs, "tools": TOOLS}, "C")
+    for _ in range(2):
+        b.render_tokens("m", [{"role": "user", "content": "other " * 50}], None, "X#chain")
+    edited = [{"role": "system", "content": "changed " * 300}, {"role": "user", "content": "q"}]
+    p = await b.prepare("m", "chat", {"model": "m", "messages": edited, "tools": TOOLS}, "C")
+    assert p.reused_blocks == 0 and (p.length, p.hashes) == expected(tokenizer, edited)

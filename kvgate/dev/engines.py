@@ -12,6 +12,7 @@ import contextlib
 import fcntl
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -41,9 +42,25 @@ def engines_dir() -> Path:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free TCP port for a process that binds it later. Taken below the kernel's ephemeral range, where
+    the many sockets a starting vLLM opens cannot have been handed the same port in the meantime."""
+    lo, hi = 20000, 32000
+    try:
+        eph_lo = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+        hi = min(hi, eph_lo)
+        lo = min(lo, hi - 1000)
+    except (OSError, ValueError, IndexError):
+        pass
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(lo, hi)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise EngineError("no free port below the ephemeral range")
 
 
 @contextlib.contextmanager

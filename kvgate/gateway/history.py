@@ -118,13 +118,20 @@ class ExactStore:
         return self._data.get(conversation, [])
 
     def find(self, conversation: str, client: Mapping[str, Any]) -> Message | None:
-        ids = [c.get("id") for c in client.get("tool_calls") or [] if c.get("id")]
-        for m in reversed(self._data.get(conversation, [])):
-            if ids and [c.get("id") for c in m.get("tool_calls") or []] == ids:
-                return m
-            if not ids and _content(m) == _content(client) and not m.get("tool_calls") and _content(m):
-                return m
-        return None
+        """The stored reply this client message is a copy of: by tool-call ids (unique per generation),
+        or by content when exactly one stored reply has that content — two replies that read the same
+        ("Done.") cannot be told apart, and guessing would put one turn's reasoning into another."""
+        stored = self._data.get(conversation, [])
+        calls = client.get("tool_calls") or []
+        ids = [c.get("id") for c in calls if isinstance(c, dict) and c.get("id")]
+        if ids:
+            for m in reversed(stored):
+                if [c.get("id") for c in m.get("tool_calls") or []] == ids:
+                    return m
+            return None
+        text = _content(client)
+        same = [m for m in stored if not m.get("tool_calls") and text and _content(m) == text]
+        return same[0] if len(same) == 1 else None
 
 
 @dataclass

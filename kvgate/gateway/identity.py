@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,16 +48,37 @@ def derive_key(tenant: str, messages: Sequence[Mapping[str, Any]] | None, prompt
     return "d-" + h.hexdigest()
 
 
+_ID = re.compile(r"^[A-Za-z0-9._:@+=-]{1,256}$")
+
+
+class BadIdentity(ValueError):
+    """A conversation or tenant id with characters kvgate does not accept."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _check(value: str, what: str, param: str) -> str:
+    # Ids travel back in response headers and scope each other ("tenant/id"): no "/", no control or
+    # non-ASCII characters, so one client can neither break a header nor alias another tenant's id.
+    if not _ID.match(value):
+        raise BadIdentity(f"{what} must be 1-256 characters of A-Z a-z 0-9 . _ : @ + = -", param)
+    return value
+
+
 def resolve(headers: Mapping[str, str], body: Mapping[str, Any], header_names: Sequence[str],
             tenant_header: str) -> Identity:
     tenant = headers.get(tenant_header, "") or ""
+    if tenant:
+        _check(tenant, "the tenant id", tenant_header)
     for name in header_names:
         v = headers.get(name)
         if v:
-            return Identity(_scoped(tenant, v), f"header:{name}", tenant)
+            return Identity(_scoped(tenant, _check(v, "the conversation id", name)), f"header:{name}", tenant)
     cid = body.get("conversation_id")
     if isinstance(cid, str) and cid:
-        return Identity(_scoped(tenant, cid), "body", tenant)
+        return Identity(_scoped(tenant, _check(cid, "conversation_id", "conversation_id")), "body", tenant)
     msgs = body.get("messages")
     key = derive_key(tenant, msgs if isinstance(msgs, list) else None, body.get("prompt"))
     return Identity(ConversationId(key), "derived", tenant)

@@ -75,13 +75,17 @@ class KvEventSubscriber:
         try:
             while True:
                 frames = await sock.recv_multipart()
-                if len(frames) < 3:
+                if len(frames) < 3 or len(frames[-2]) != 8:
                     self.state.stats.malformed += 1
                     continue
                 seq = int.from_bytes(frames[-2], "big", signed=True)
-                gap_from = self.state.on_message(wid, seq, frames[-1])
-                if gap_from is not None:
-                    await self._replay(wid, replay, gap_from)
+                try:
+                    gap_from = self.state.on_message(wid, seq, frames[-1])
+                    if gap_from is not None:
+                        await self._replay(wid, replay, gap_from)
+                except Exception:  # one bad batch must not stop this worker's stream for good
+                    log.exception("worker %s: KV event handling failed; dropping its index", wid)
+                    self.state.on_replay_failed(wid)
         finally:
             sock.close(0)
 
@@ -100,6 +104,8 @@ class KvEventSubscriber:
                 if not await sock.poll(int(self._replay_timeout * 1000)):
                     raise TimeoutError("replay timed out")
                 frames = await sock.recv_multipart()
+                if len(frames) < 2 or len(frames[-2]) != 8:
+                    raise TimeoutError("malformed replay frame")
                 seq = int.from_bytes(frames[-2], "big", signed=True)
                 if seq == -1:
                     break
@@ -116,6 +122,6 @@ class KvEventSubscriber:
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._ctx.term()

@@ -77,8 +77,6 @@ class PromptBuilder:
         self._ints: dict[str, list[int]] = {}
         """The event-form ints of each chain's hashes, kept so a turn converts only its new blocks."""
         self._texts: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()
-        self._same_prefix: int | None = None
-        """Tokens the incremental tokenizer just proved equal to the previous prompt's (saves a compare)."""
         """Per conversation: the last rendered prompt and its token end offsets (local tokenizer only)."""
         self.retokenized_chars = 0
         self.mode: dict[str, Source] = {m: ("local" if m in self._tok else "worker") for m in self._hashers}
@@ -112,17 +110,14 @@ class PromptBuilder:
 
     # -- per request -------------------------------------------------------------------------------
     async def prepare(self, model: str, endpoint: str, body: Mapping[str, Any], conversation: str) -> Prompt:
-        remembered = len(self._texts)
-        marker = self.retokenized_chars
-        tokens, source = await self._tokens(model, endpoint, body, conversation)
-        if self.retokenized_chars == marker and remembered == len(self._texts):
+        tokens, source, same, rendered = await self._tokens(model, endpoint, body, conversation)
+        if not rendered:
             # These tokens did not come from a rendered chat: the stored text no longer matches them.
             self._texts.pop(conversation, None)
         hasher = self._hashers.get(model)
         if tokens is None or hasher is None:
             return Prompt(_estimate(body), (), "estimate")
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-        same, self._same_prefix = self._same_prefix, None
         hashes, reused = self._hash(conversation, tokens, hasher, salt, same)
         ints = self._ints.get(conversation, [])[:reused] + [event_int(h) for h in hashes[reused:]]
         if self._max:
@@ -132,10 +127,11 @@ class PromptBuilder:
         return Prompt(len(tokens), tuple(ints), source, reused, tuple(tokens))
 
     async def _tokens(self, model: str, endpoint: str, body: Mapping[str, Any], conversation: str = ""
-                      ) -> tuple[list[int] | None, Source]:
+                      ) -> tuple[list[int] | None, Source, int | None, bool]:
+        """(tokens, source, tokens proven equal to the conversation's previous prompt, rendered chat?)"""
         if endpoint == "completions" and isinstance(body.get("prompt"), list) and body["prompt"] \
                 and all(isinstance(t, int) for t in body["prompt"]):
-            return list(body["prompt"]), "local"
+            return list(body["prompt"]), "local", None, False
         tok = self._tok.get(model)
         if tok is not None and self.mode.get(model) == "local":
             try:
@@ -143,22 +139,23 @@ class PromptBuilder:
                     kwargs = body.get("chat_template_kwargs")
                     text = tok.render_chat(body["messages"], body.get("tools"), True,
                                            kwargs if isinstance(kwargs, dict) else None)
-                    return self._encode_incremental(tok, conversation, text), "local"
+                    tokens, same = self._encode_incremental(tok, conversation, text)
+                    return tokens, "local", same, True
                 if isinstance(body.get("prompt"), str):
                     prompt = body["prompt"]
                     if len(prompt) > 4096:
                         # tokenizers releases the GIL: a long prompt is encoded beside the event loop.
-                        return await asyncio.to_thread(tok.encode, prompt, True), "local"
-                    return tok.encode(prompt, add_special_tokens=True), "local"
+                        return await asyncio.to_thread(tok.encode, prompt, True), "local", None, False
+                    return tok.encode(prompt, add_special_tokens=True), "local", None, False
             except (TemplateError, TypeError, ValueError, KeyError) as exc:
                 log.info("local tokenization failed (%s); asking a worker", exc)
         req = tokenize_body(endpoint, body)
         if req is None:
-            return None, "estimate"
+            return None, "estimate", None, False
         got = await self._worker_tokenize(model, req)
-        return (got, "worker") if got is not None else (None, "estimate")
+        return (got, "worker", None, False) if got is not None else (None, "estimate", None, False)
 
-    def _encode_incremental(self, tok: ChatTokenizer, conversation: str, text: str) -> list[int]:
+    def _encode_incremental(self, tok: ChatTokenizer, conversation: str, text: str) -> tuple[list[int], int | None]:
         """Tokenize ``text``, re-using the conversation's previous tokens up to the last special token
         before the first changed character: a turn costs its new text, not its whole history."""
         prev = self._texts.get(conversation) if self._max else None
@@ -170,15 +167,14 @@ class PromptBuilder:
             if split > 0 and k > 0 and old_ends[k - 1] == split:
                 ids, ends = tok.encode_with_ends(text[split:])
                 tokens = prev_tokens[0][:k] + ids
-                self._same_prefix = k
                 all_ends = old_ends[:k] + [split + e for e in ends]
                 self.retokenized_chars += len(text) - split
                 self._remember_text(conversation, text, all_ends)
-                return tokens
+                return tokens, k
         tokens, ends = tok.encode_with_ends(text)
         self.retokenized_chars += len(text)
         self._remember_text(conversation, text, ends)
-        return tokens
+        return tokens, None
 
     def _remember_text(self, conversation: str, text: str, ends: list[int]) -> None:
         if not self._max:
@@ -220,7 +216,7 @@ class PromptBuilder:
             text = tok.render_chat(messages, tools, add_generation_prompt=False)
         except (TemplateError, TypeError, ValueError, KeyError):
             return None
-        tokens = self._encode_incremental(tok, key, text.rstrip("\n"))
+        tokens, _ = self._encode_incremental(tok, key, text.rstrip("\n"))
         self._chains[key] = (tokens, [], None)
         return tokens
 

@@ -130,8 +130,11 @@ class Proxy:
         model = body["model"]
         if not self.pool.serves(model):
             raise NotFound(f"The model `{model}` does not exist.", param="model", code="model_not_found")
-        ident = identity.resolve(request.headers, body, self.settings.conversation_headers,
-                                 self.settings.tenant_header)
+        try:
+            ident = identity.resolve(request.headers, body, self.settings.conversation_headers,
+                                     self.settings.tenant_header)
+        except identity.BadIdentity as exc:
+            raise BadRequest(str(exc), param=exc.param, code="invalid_conversation_id") from exc
         self.metrics.conversation_source.labels(ident.source.split(":")[0]).inc()
         try:
             session = await self.sessions.get(ident.conversation_id)
@@ -226,23 +229,31 @@ class Proxy:
                 if upstream.status_code >= 500:
                     text = (await upstream.aread())[:200].decode(errors="replace")
                     await upstream.aclose()
-                    self._failed(wid, f"HTTP {upstream.status_code}: {text}", "status_5xx")
+                    if upstream.status_code in (502, 503, 504):
+                        self._failed(wid, f"HTTP {upstream.status_code}: {text}", "status_5xx")
+                    else:
+                        # A 500 may be this request's fault: try elsewhere, but do not take the worker
+                        # out of the fleet (a repeated bad request would otherwise empty it).
+                        self.metrics.upstream_failures.labels(wid, "status_500").inc()
                     last_error = f"worker {wid} answered {upstream.status_code}"
                     continue
-                # The worker accepted the request: kvgate's view of its cache now includes this prompt.
-                self.prefix.routed(model, wid, prompt.hashes, self.clock.now())
                 if upstream.status_code >= 400:
                     # The worker judged the request; its answer goes back unchanged.
                     content = await upstream.aread()
                     await upstream.aclose()
                     return Response(content, status_code=upstream.status_code,
                                     media_type=upstream.headers.get("content-type"), headers=self._headers(ctx))
+                # The worker accepted the request: kvgate's view of its cache now includes this prompt.
+                self.prefix.routed(model, wid, prompt.hashes, self.clock.now())
                 if stream:
                     it = upstream.aiter_raw()
                     try:
                         first = await self._until_disconnect(request, _anext(it))
                     except StopAsyncIteration:
                         first = b""
+                    except ClientGone:
+                        await upstream.aclose()  # the worker sees the disconnect and aborts
+                        raise
                     except httpx.HTTPError as exc:
                         await upstream.aclose()
                         self._failed(wid, repr(exc), "stream_before_first_byte")
@@ -375,12 +386,14 @@ class Proxy:
             ctx.ttft_s = self.clock.now() - ctx.started
             self.metrics.ttft.labels(ctx.model).observe(ctx.ttft_s)
             self.pool.first_token(ctx.decision.worker, ctx.prefill_tokens, ctx.prompt.length)
-        if ctx.canonical is not None and isinstance(choices, list) and choices and isinstance(choices[0], dict):
-            delta = choices[0].get("delta")
-            if isinstance(delta, dict):
-                ctx.reply.add_delta(delta)
-            if choices[0].get("finish_reason"):
-                ctx.reply.complete = True
+        if ctx.canonical is not None and isinstance(choices, list):
+            for ch in choices:  # with n > 1 each choice streams in its own chunks: keep choice 0's
+                if isinstance(ch, dict) and ch.get("index", 0) == 0:
+                    delta = ch.get("delta")
+                    if isinstance(delta, dict):
+                        ctx.reply.add_delta(delta)
+                    if ch.get("finish_reason"):
+                        ctx.reply.complete = True
         if hide_usage and choices == [] and usage is not None:
             return None
         if hide_usage and usage is not None:

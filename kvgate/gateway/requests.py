@@ -58,6 +58,22 @@ def validate_chat(body: dict[str, Any]) -> None:
         content = m.get("content")
         _type(content is None or isinstance(content, str | list), f"messages[{i}].content",
               "a string or an array of content parts")
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                _type(isinstance(part, dict) and (part.get("type") != "text" or isinstance(part.get("text"), str)),
+                      f"messages[{i}].content[{j}]", "a content part object (text parts need a string text)")
+        calls = m.get("tool_calls")
+        if calls is not None:
+            _type(isinstance(calls, list), f"messages[{i}].tool_calls", "an array")
+            for j, c in enumerate(calls):
+                fn = c.get("function") if isinstance(c, dict) else None
+                _type(isinstance(fn, dict) and isinstance(fn.get("name"), str)
+                      and (fn.get("arguments") is None or isinstance(fn.get("arguments"), str | dict)),
+                      f"messages[{i}].tool_calls[{j}]",
+                      "an object with function.name (string) and function.arguments (string or object)")
+        for f in ("reasoning", "reasoning_content"):
+            if m.get(f) is not None:
+                _type(isinstance(m[f], str), f"messages[{i}].{f}", "a string")
     if body.get("tools") is not None:
         _type(isinstance(body["tools"], list), "tools", "an array")
     if body.get("reasoning_policy") is not None:

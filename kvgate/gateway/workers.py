@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from dataclasses import dataclass
 
 import httpx
@@ -155,12 +156,20 @@ class WorkerPool:
                         values[sample.name] = values.get(sample.name, 0.0) + sample.value
         except (httpx.HTTPError, ValueError):
             return  # load is advisory; health decides eligibility
-        w.running = int(values.get(names[0], 0))
-        w.waiting = int(values.get(names[1], 0))
-        w.kv_usage = float(values.get(names[2], 0.0))
+        def finite(v: float) -> float:
+            return v if math.isfinite(v) else 0.0
+
+        w.running = int(finite(values.get(names[0], 0.0)))
+        w.waiting = int(finite(values.get(names[1], 0.0)))
+        w.kv_usage = finite(values.get(names[2], 0.0))
 
     async def check_all(self) -> None:
-        await asyncio.gather(*(self.check(w) for w in self._workers.values()))
+        results = await asyncio.gather(*(self.check(w) for w in self._workers.values()), return_exceptions=True)
+        for w, r in zip(self._workers.values(), results, strict=True):
+            if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
+                # One worker's odd answer must not stop the checks that bring the others back.
+                log.warning("health check of %s failed: %r", w.id, r)
+                w.healthy = False
 
     async def _loop(self) -> None:
         while True:

@@ -34,8 +34,11 @@ class SessionStoreError(RuntimeError):
 
 class RedisSessionStore:
     def __init__(self, url: str, ttl_s: float = 3600.0, prefix: str = "kvgate:session:",
-                 max_retries: int = 16) -> None:
-        self._r = aioredis.from_url(url, decode_responses=True)
+                 max_retries: int = 16, timeout_s: float = 0.5) -> None:
+        # Bounded waits: a Redis that hangs (a partition, not a refusal) must fail fast so the request
+        # is served without session state instead of hanging with it.
+        self._r = aioredis.from_url(url, decode_responses=True, socket_timeout=timeout_s,
+                                    socket_connect_timeout=timeout_s)
         self._ttl_ms = int(ttl_s * 1000)
         self._prefix = prefix
         self._cas = self._r.register_script(_CAS)
@@ -49,7 +52,13 @@ class RedisSessionStore:
             raw = await (self._r.getex(self._key(cid), px=self._ttl_ms) if refresh else self._r.get(self._key(cid)))
         except RedisError as exc:
             raise SessionStoreError(f"session store unavailable: {exc}") from exc
-        return Session.from_json(json.loads(raw)) if raw else None
+        if not raw:
+            return None
+        try:
+            return Session.from_json(json.loads(raw))
+        except (ValueError, TypeError, KeyError) as exc:
+            # A corrupt value, or one written by a newer replica with fields this one does not know.
+            raise SessionStoreError(f"conversation {cid}: unreadable session ({exc!r})") from exc
 
     async def get(self, cid: ConversationId) -> Session | None:
         return await self._read(cid, refresh=True)

@@ -171,6 +171,11 @@ class KvEventState:
         if st is None or st.replaying_from is None or st.held is None:
             return
         held_seq, held_payload = st.held
+        seqs = sorted(seq for seq, _ in batches if st.replaying_from <= seq < held_seq)
+        if seqs != list(range(st.replaying_from, held_seq)):
+            # The publisher's buffer no longer holds every missing batch: what is left is not enough.
+            self.on_replay_failed(worker)
+            return
         seen_held = False
         for seq, payload in batches:
             if st.replaying_from <= seq <= held_seq:
