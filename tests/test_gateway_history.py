@@ -89,3 +89,42 @@ async def test_bad_reasoning_policy_is_a_400(make_cluster: Any) -> None:
     r = await chat(c, "bad", [{"role": "user", "content": "x"}], reasoning_policy="summarise")
     assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_policy"
     assert await c.gateway.sessions.count() == 0
+
+
+async def test_stateful_continuation_rebuilds_history_and_guards_it(make_cluster: Any) -> None:
+    c = await make_cluster(1, events=True)
+    await ready(c)
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "agent " * 200}, {"role": "user", "content": "go"}]
+    r1 = await chat(c, "sf", msgs, sim={"tool_calls": 1})
+    rid = r1.json()["id"]
+    call = r1.json()["choices"][0]["message"]["tool_calls"][0]
+    # Only the new message: kvgate supplies the rest.
+    r2 = await chat(c, "ignored-by-continuation", [{"role": "tool", "tool_call_id": call["id"], "content": "done"}],
+                    previous_response_id=rid, sim={"tool_calls": 0})
+    assert r2.status_code == 200, r2.text
+    assert r2.headers["x-kvgate-conversation-source"] == "previous_response_id"
+    usage = r2.json()["usage"]
+    assert usage["prompt_tokens"] > r1.json()["usage"]["prompt_tokens"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= 256  # the rebuilt history hit the cache
+    # A resent history that disagrees with the stored one: 409 naming the first differing message.
+    wrong = [msgs[0], {"role": "user", "content": "something else"}]
+    r3 = await chat(c, "x", wrong, previous_response_id=r2.json()["id"])
+    assert r3.status_code == 409 and r3.json()["error"]["param"] == "messages[1]"
+    r4 = await chat(c, "x", [{"role": "user", "content": "hi"}], previous_response_id="chatcmpl-unknown")
+    assert r4.status_code == 404 and r4.json()["error"]["param"] == "previous_response_id"
+
+
+async def test_next_turn_prefix_is_what_the_next_request_starts_with(make_cluster: Any) -> None:
+    c = await make_cluster(1, events=True)
+    await ready(c)
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "agent " * 100}, {"role": "user", "content": "hi"}]
+    r1 = await chat(c, "np", msgs, sim={"tool_calls": 0, "reasoning_tokens": 100})
+    reply = {k: v for k, v in r1.json()["choices"][0]["message"].items() if v is not None}
+    async with httpx.AsyncClient() as h:
+        pre = (await h.get(c.url + "/admin/conversations/np/next-prefix")).json()
+        nxt = [*msgs, reply, {"role": "user", "content": "and now?"}]
+        tok = (await h.post(c.sims[0][1].url + "/tokenize", json={"model": MODEL, "messages": nxt,
+                                                                  "tools": TOOLS})).json()["tokens"]
+    assert pre["tokens"] > 100 and tok[: pre["tokens"]] == pre["token_ids"]
+    # The Qwen3-style template drops this turn's reasoning once a user message follows: P|A, not P|R|A.
+    assert pre["tokens"] < r1.json()["usage"]["prompt_tokens"] + r1.json()["usage"]["completion_tokens"]

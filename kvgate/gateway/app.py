@@ -216,6 +216,21 @@ def create_app(settings: GatewaySettings, clock: Clock | None = None,
                              "waiting": w.waiting, "kv_usage": w.kv_usage, "last_error": w.last_error}
                             for w in gw.pool.all()]}
 
+    @app.get("/admin/conversations/{cid}/next-prefix")
+    async def next_prefix(cid: str, request: Request) -> JSONResponse:
+        """The canonical prefix the conversation's next request will start with (for background prefill)."""
+        model = gw.turns.last_model(cid)
+        if model is None:
+            return JSONResponse(error_body(f"conversation `{cid}` has no completed turn", "not_found_error", "id",
+                                           None), status_code=404)
+        proto = gw.turns.protocol(model, "", request.query_params.get("reasoning_policy"))
+        tokens = gw.turns.next_turn_prefix(model, cid, proto)
+        if tokens is None:
+            return JSONResponse(error_body(f"model `{model}` has no local tokenizer", "invalid_request_error", None,
+                                           "no_local_tokenizer"), status_code=409)
+        return JSONResponse({"conversation_id": cid, "model": model, "policy": str(proto.policy),
+                             "tokens": len(tokens), "token_ids": tokens})
+
     @app.get("/admin/conversations/{cid:path}")
     async def conversation(cid: str) -> JSONResponse:
         try:

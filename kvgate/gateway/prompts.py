@@ -220,6 +220,21 @@ class PromptBuilder:
         self._chains[key] = (tokens, [], None)
         return tokens
 
+    def render_prefix(self, model: str, messages: list[dict[str, Any]], tools: Any, marker: str) -> list[int] | None:
+        """Tokens of the rendered ``messages`` up to the special token that opens the message holding
+        ``marker`` (a placeholder): the prefix any next message will share."""
+        tok = self._tok.get(model)
+        if tok is None or self.mode.get(model) != "local":
+            return None
+        try:
+            text = tok.render_chat(messages, tools, add_generation_prompt=False)
+        except (TemplateError, TypeError, ValueError, KeyError):
+            return None
+        cut = text.find(marker)
+        if cut < 0:
+            return None
+        return tok.encode(text[: tok.last_safe_split(text, cut)])
+
     def forget(self, conversation: str) -> None:
         self._ints.pop(conversation, None)
         self._chains.pop(conversation, None)

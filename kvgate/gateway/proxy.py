@@ -22,7 +22,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from kvgate.clock import Clock
 from kvgate.config import GatewaySettings
-from kvgate.errors import ApiError, BadRequest, NotFound, PayloadTooLarge, ServiceUnavailable
+from kvgate.errors import ApiError, BadRequest, Conflict, NotFound, PayloadTooLarge, ServiceUnavailable
 from kvgate.gateway import identity
 from kvgate.gateway.history import Canonical
 from kvgate.gateway.loss import PromptLoss, explain_cache
@@ -31,12 +31,12 @@ from kvgate.gateway.prompts import Prompt, PromptBuilder
 from kvgate.gateway.requests import KVGATE_FIELDS, validate_chat, validate_completion
 from kvgate.gateway.sse import SseEvent, SseSplitter, error_event
 from kvgate.gateway.telemetry import GatewayMetrics
-from kvgate.gateway.turns import Reply, TurnKeeper
+from kvgate.gateway.turns import HistoryConflict, Reply, TurnKeeper, UnknownResponse
 from kvgate.gateway.workers import WorkerPool
 from kvgate.kvstore.redis_sessions import SessionStoreError
 from kvgate.kvstore.sessions import Session, SessionStore, TurnRecord
 from kvgate.router.policies import Policy
-from kvgate.router.types import Decision, RouteRequest, WorkerId
+from kvgate.router.types import ConversationId, Decision, RouteRequest, WorkerId
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,8 @@ class _Ctx:
     reply: Reply = field(default_factory=Reply)
     chosen_matched_tokens: int = 0
     best_matched_tokens: int = 0
+    tools: Any = None
+    response_id: str | None = None
 
     @property
     def prefill_tokens(self) -> int:
@@ -95,6 +97,7 @@ class _Turn:
     canonical: Canonical
     policy: str
     loss: PromptLoss | None = None
+    tools: Any = None
 
 
 class Proxy:
@@ -144,13 +147,24 @@ class Proxy:
             log.warning("session store: %s", exc)
             session = None
         turn: _Turn | None = None
+        if endpoint == "chat" and body.get("previous_response_id"):
+            # Stateful continuation: the client sends only what is new; kvgate holds the rest.
+            try:
+                cid = self.turns.conversation_of(body["previous_response_id"])
+                full = self.turns.continue_from(cid, body["messages"])
+            except UnknownResponse as exc:
+                raise NotFound(str(exc), param="previous_response_id", code="response_not_found") from exc
+            except HistoryConflict as exc:
+                raise Conflict(str(exc), param=f"messages[{exc.index}]", code="history_conflict") from exc
+            ident = identity.Identity(ConversationId(cid), "previous_response_id", ident.tenant)
+            body = {**body, "messages": full}
         if endpoint == "chat":
             # The history the engine sees: exact replies restored, completed turns canonical.
             requested = body.get("reasoning_policy") or request.headers.get("x-kvgate-reasoning-policy")
             protocol = self.turns.protocol(model, ident.tenant, requested)
             canonical = self.turns.canonical(protocol, body["messages"], ident.conversation_id)
             body = {**body, "messages": canonical.messages}
-            turn = _Turn(canonical, str(protocol.policy))
+            turn = _Turn(canonical, str(protocol.policy), tools=body.get("tools"))
         prompt = await self.prompts.prepare(model, endpoint, body, ident.conversation_id)
         self.metrics.prompt_source.labels(prompt.source).inc()
         if turn is not None:
@@ -217,7 +231,7 @@ class Proxy:
             ctx.chosen_matched_tokens = matched.get(wid, 0) * bs
             ctx.best_matched_tokens = max(matched.values(), default=0) * bs
             if turn is not None:
-                ctx.canonical, ctx.policy, ctx.loss = turn.canonical, turn.policy, turn.loss
+                ctx.canonical, ctx.policy, ctx.loss, ctx.tools = turn.canonical, turn.policy, turn.loss, turn.tools
             worker = self.pool.get(wid)
             self.pool.acquire(wid, ctx.prefill_tokens)
             released = False
@@ -269,6 +283,7 @@ class Proxy:
                     await upstream.aclose()
                 obj = _loads(content)
                 ctx.usage = Usage.parse(obj.get("usage")) if obj else None
+                ctx.response_id = obj.get("id") if obj and isinstance(obj.get("id"), str) else None
                 choices = obj.get("choices") if obj else None
                 if isinstance(choices, list) and choices and isinstance(choices[0], dict) \
                         and isinstance(choices[0].get("message"), dict):
@@ -386,6 +401,8 @@ class Proxy:
             ctx.ttft_s = self.clock.now() - ctx.started
             self.metrics.ttft.labels(ctx.model).observe(ctx.ttft_s)
             self.pool.first_token(ctx.decision.worker, ctx.prefill_tokens, ctx.prompt.length)
+        if ctx.response_id is None and isinstance(obj.get("id"), str):
+            ctx.response_id = obj["id"]
         if ctx.canonical is not None and isinstance(choices, list):
             for ch in choices:  # with n > 1 each choice streams in its own chunks: keep choice 0's
                 if isinstance(ch, dict) and ch.get("index", 0) == 0:
@@ -426,7 +443,8 @@ class Proxy:
                 if cache_lost and cache_cause:
                     self.metrics.tokens_lost.labels(cache_cause).inc(cache_lost)
         if ctx.canonical is not None and ctx.reply.complete:
-            self.turns.completed(ctx.ident.conversation_id, ctx.canonical.messages, ctx.reply)
+            self.turns.completed(ctx.ident.conversation_id, ctx.canonical.messages, ctx.reply, ctx.response_id,
+                                 ctx.tools, ctx.model)
         turn = TurnRecord(wid, ctx.decision.reason, u.prompt_tokens, u.cached_tokens, u.completion_tokens,
                           ctx.ttft_s, ctx.decision.expected_cached_tokens, lost, cause, detail, cache_lost,
                           cache_cause)

@@ -10,7 +10,7 @@ from typing import Any
 
 from kvgate.errors import BadRequest, UnprocessableEntity
 
-KVGATE_FIELDS = ("conversation_id", "reasoning_policy")
+KVGATE_FIELDS = ("conversation_id", "reasoning_policy", "previous_response_id")
 """Request fields that belong to kvgate and are removed before forwarding."""
 
 _ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
@@ -76,6 +76,9 @@ def validate_chat(body: dict[str, Any]) -> None:
                 _type(isinstance(m[f], str), f"messages[{i}].{f}", "a string")
     if body.get("tools") is not None:
         _type(isinstance(body["tools"], list), "tools", "an array")
+    if body.get("previous_response_id") is not None:
+        _type(isinstance(body["previous_response_id"], str) and bool(body["previous_response_id"]),
+              "previous_response_id", "a non-empty string")
     if body.get("reasoning_policy") is not None:
         _type(isinstance(body["reasoning_policy"], str), "reasoning_policy", "a string (keep, drop, truncate:N)")
 

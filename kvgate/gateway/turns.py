@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvgate.errors import BadRequest
-from kvgate.gateway.history import Canonical, ExactStore, Message, canonicalize
+from kvgate.gateway.history import Canonical, ExactStore, Message, canonicalize, reserialization
 from kvgate.gateway.loss import PromptLoss, explain_prompt
 from kvgate.gateway.prompts import PromptBuilder
 from kvgate.gateway.protocols import PROFILES, ModelProtocol, ReasoningPolicy, get_protocol
@@ -56,6 +56,21 @@ class Reply:
 class _Last:
     messages: list[Message]
     reply: Message
+    response_id: str | None = None
+    tools: Any = None
+    model: str = ""
+
+
+class UnknownResponse(LookupError):
+    """A stateful continuation names a response kvgate does not hold (expired or never seen)."""
+
+
+class HistoryConflict(ValueError):
+    """A stateful continuation's history disagrees with the stored one at ``index``."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__(f"history differs from the stored conversation at message {index}")
+        self.index = index
 
 
 class TurnKeeper:
@@ -67,6 +82,8 @@ class TurnKeeper:
         self._prompts = prompts
         self.exact = ExactStore(max_conversations)
         self._last: OrderedDict[str, _Last] = OrderedDict()
+        self._responses: OrderedDict[str, str] = OrderedDict()
+        """Response id -> conversation, for stateful continuations (``previous_response_id``)."""
         self._max = max_conversations
 
     def protocol(self, model: str, tenant: str, requested: str | None) -> ModelProtocol:
@@ -96,10 +113,69 @@ class TurnKeeper:
         return explain_prompt(chain, tokens, block_size, [*last.messages, last.reply], canonical.messages,
                               canonical.reasoning_changed)
 
-    def completed(self, conversation: str, messages: list[Message], reply: Reply) -> None:
+    def completed(self, conversation: str, messages: list[Message], reply: Reply, response_id: str | None = None,
+                  tools: Any = None, model: str = "") -> None:
         msg = reply.message()
         self.exact.add(conversation, msg)
-        self._last[conversation] = _Last(messages, msg)
+        self._last[conversation] = _Last(messages, msg, response_id, tools, model)
         self._last.move_to_end(conversation)
         while len(self._last) > self._max:
             self._last.popitem(last=False)
+        if response_id:
+            self._responses[response_id] = conversation
+            while len(self._responses) > self._max:
+                self._responses.popitem(last=False)
+
+    def conversation_of(self, response_id: str) -> str:
+        cid = self._responses.get(response_id)
+        if cid is None or cid not in self._last:
+            raise UnknownResponse(f"no stored conversation has response `{response_id}`")
+        return cid
+
+    def continue_from(self, conversation: str, messages: list[Message]) -> list[Message]:
+        """The full history of a stateful continuation: the stored history and reply, then the new
+        messages. A client that resends history must resend the stored one (re-serialisations allowed);
+        otherwise HistoryConflict names the first differing message."""
+        last = self._last[conversation]
+        stored = [*last.messages, last.reply]
+        if (messages and messages[0].get("role") in ("system", "developer")) or (len(messages) > len(stored) and \
+                any(m.get("role") == "assistant" for m in messages[: len(stored)])):
+            for i, (old, new) in enumerate(zip(stored, messages, strict=False)):
+                if old == new:
+                    continue
+                if old.get("role") == "assistant" and reserialization(new, old) is not None:
+                    continue
+                if _text_equal(old, new):
+                    continue
+                raise HistoryConflict(i)
+            if len(messages) < len(stored):
+                raise HistoryConflict(len(messages))
+            return [*stored, *messages[len(stored):]]
+        return [*stored, *messages]
+
+    def last_model(self, conversation: str) -> str | None:
+        last = self._last.get(conversation)
+        return last.model if last else None
+
+    def next_turn_prefix(self, model: str, conversation: str, protocol: ModelProtocol) -> list[int] | None:
+        """The canonical prefix P|A the next request will start with: the history after this turn ends,
+        rendered as it will be sent (this turn's reasoning kept, dropped or truncated per the policy),
+        cut before a placeholder next user message. Background prefill warms exactly these tokens."""
+        last = self._last.get(conversation)
+        if last is None:
+            return None
+        placeholder = "\x00kvgate-next-turn\x00"
+        canonical = self.canonical(protocol, [*last.messages, last.reply, {"role": "user", "content": placeholder}],
+                                   conversation)
+        return self._prompts.render_prefix(model, canonical.messages, last.tools, placeholder)
+
+
+def _text_equal(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Same role and text (content as a string or as text parts)."""
+    def text(m: Mapping[str, Any]) -> str:
+        c = m.get("content")
+        if isinstance(c, list):
+            return "\n".join(p.get("text", "") for p in c if isinstance(p, dict))
+        return c or ""
+
+    return a.get("role") == b.get("role") and text(a) == text(b) and a.get("tool_call_id") == b.get("tool_call_id")
