@@ -3,7 +3,7 @@
 A request may carry a ``sim`` object (an extra field the real engine would ignore)::
 
     {"reasoning_tokens": 64, "answer_tokens": 16, "tool_calls": 1 | [{"name": ..., "arguments": {...}}],
-     "seed": 7}
+     "seed": 7, "reasoning_text": "...", "content_text": "..."}   (the texts replay a recorded output)
 
 Without it: reasoning and answer of default lengths; one call of the first offered tool when the
 conversation's last message is a real user message (an agent's first step), a plain answer after a
@@ -81,6 +81,10 @@ def script_for(
         int.from_bytes(hashlib.blake2b(prompt_key + repr(seed).encode(), digest_size=8).digest(), "big")
     )
     reasoning = _words(rng, _int_field(spec, "reasoning_tokens", DEFAULT_REASONING_TOKENS))
+    if "reasoning_text" in spec:  # replaying a recorded trajectory: the exact thought
+        if not isinstance(spec["reasoning_text"], str):
+            raise BadSimSpec("sim.reasoning_text must be a string")
+        reasoning = spec["reasoning_text"]
     answer_n = _int_field(spec, "answer_tokens", DEFAULT_ANSWER_TOKENS)
     calls_spec = spec.get("tool_calls")
     calls: list[ToolCall] = []
@@ -107,4 +111,8 @@ def script_for(
             calls.append(ToolCall(f"chatcmpl-tool-{request_id[-12:]}{i}", c["name"], args_text))
     # An agent step that calls tools usually says little; keep the answer when asked explicitly.
     content = _words(rng, answer_n) if (not calls or "answer_tokens" in spec) else ""
+    if "content_text" in spec:
+        if not isinstance(spec["content_text"], str):
+            raise BadSimSpec("sim.content_text must be a string")
+        content = spec["content_text"]
     return Script(reasoning=reasoning, content=content, tool_calls=tuple(calls))
