@@ -101,8 +101,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     b.add_argument("out", nargs="?")
     b.add_argument("--weights", action="store_true")
 
-    bn = sub.add_parser("bench", help="benchmarks: `kvgate bench mooncake [--quick]`")
-    bn.add_argument("which", choices=["mooncake"])
+    bn = sub.add_parser("bench", help="benchmarks: `kvgate bench mooncake [--quick]`, `kvgate bench swe`")
+    bn.add_argument("which", choices=["mooncake", "swe"])
     bn.add_argument("--trace", help="Mooncake trace (default: ../shared/data/mooncake/conversation_trace.jsonl)")
     bn.add_argument("--out", default="bench-out")
     bn.add_argument("--quick", action="store_true", help="first 3000 requests only")
@@ -131,8 +131,13 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         from kvgate.bench import mooncake
 
-        mooncake.run(Path(args.trace) if args.trace else mooncake.DEFAULT_TRACE, Path(args.out), args.quick,
-                     not args.no_dynamo, not args.no_peers)
+        if args.which == "swe":
+            from kvgate.bench import swe
+
+            swe.run(mooncake.DEFAULT_TRACE.parents[1] / "swe-agent-trajectories", Path(args.out))
+        else:
+            mooncake.run(Path(args.trace) if args.trace else mooncake.DEFAULT_TRACE, Path(args.out), args.quick,
+                         not args.no_dynamo, not args.no_peers)
     elif args.cmd == "dev":
         from kvgate.dev.engines import cli as engines_cli
 

@@ -77,7 +77,8 @@ class RenderedOutput:
         if pos != len(text):
             # Per-token decoding did not reproduce the text (multi-byte characters split across
             # tokens): fall back to cumulative decoding, exact but quadratic.
-            ends = [len(tok.decode(ids[: k + 1], skip_special_tokens=True)) for k in range(len(ids))]
+            body = [i for i in ids if i != eos]
+            ends = [len(tok.decode(body[: min(k + 1, len(body))])) for k in range(len(ids))]
         self._ends = ends
         self._tool_index = {id(s.tool): n for n, s in enumerate(x for x in spans if x.kind == "tool")}
 
