@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from kvgate.gateway.prompts import PromptBuilder, _common_prefix
+from kvgate.gateway.prompts import PromptBuilder, common_prefix
 from kvgate.router.hashing import VllmHasher, event_int
 from kvgate.tokens.tokenizer import ChatTokenizer
 
@@ -73,9 +73,10 @@ async def test_token_id_prompts_and_salts(tokenizer: ChatTokenizer) -> None:
     assert salted.hashes == tuple(event_int(h) for h in VllmHasher(16, seed="0").block_hashes(ids, cache_salt="t"))
 
 
-def test_common_prefix() -> None:
-    assert _common_prefix([1, 2, 3], [1, 2, 4]) == 2 and _common_prefix("abc", "abc") == 3
-    assert _common_prefix([], [1]) == 0 and _common_prefix("x" * 1000 + "a", "x" * 1000 + "b") == 1000
+def testcommon_prefix() -> None:
+    assert common_prefix([1, 2, 3], [1, 2, 4]) == 2 and common_prefix("abc", "abc") == 3
+    assert common_prefix([], [1]) == 0 and common_prefix("x" * 1000 + "a", "x" * 1000 + "b") == 1000
+    assert common_prefix([1, 2, 3], (1, 2, 9)) == 2  # a list and a tuple of the same tokens agree
 
 
 async def test_another_conversations_render_never_leaks_into_hashing(tokenizer: ChatTokenizer) -> None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvgate.gateway.history import REASONING_FIELDS, reserialization
+from kvgate.gateway.prompts import common_prefix
 
 CAUSES = ("reasoning_dropped", "client_edit", "reserialization", "system_prompt_changed", "evicted", "rerouted",
           "block_alignment")
@@ -43,22 +44,6 @@ class PromptLoss:
         return self.reusable - self.best
 
 
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    # Slice comparison is C-speed but only between the same sequence type (a list never equals a tuple).
-    a, b = list(a), list(b)
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
 _RENDERED = ("role", "content", "tool_calls", "tool_call_id", "name")
 
 
@@ -71,7 +56,7 @@ def explain_prompt(chain: Sequence[int], prompt: Sequence[int], block_size: int,
                    chain_messages: Sequence[Mapping[str, Any]], messages: Sequence[Mapping[str, Any]],
                    policy_changed: Sequence[int] = ()) -> PromptLoss:
     reusable = min(len(chain), max(0, len(prompt) - 1))
-    lcp = min(_common(chain, prompt), reusable)
+    lcp = min(common_prefix(chain, prompt), reusable)
     best = (lcp // block_size) * block_size
     if best >= reusable:
         return PromptLoss(reusable, best, None)

@@ -162,7 +162,7 @@ class PromptBuilder:
         prev_tokens = self._chains.get(conversation)
         if prev is not None and prev_tokens is not None:
             old_text, old_ends = prev
-            split = tok.last_safe_split(text, _common_prefix(old_text, text))
+            split = tok.last_safe_split(text, common_prefix(old_text, text))
             k = bisect.bisect_right(old_ends, split)
             if split > 0 and k > 0 and old_ends[k - 1] == split:
                 ids, ends = tok.encode_with_ends(text[split:])
@@ -192,7 +192,7 @@ class PromptBuilder:
         keep = 0
         if prev is not None and prev[2] == salt:
             old_tokens, old_hashes, _ = prev
-            common = same_prefix if same_prefix is not None else _common_prefix(old_tokens, tokens)
+            common = same_prefix if same_prefix is not None else common_prefix(old_tokens, tokens)
             keep = min(common // bs, len(old_hashes), n_blocks)
         base = prev[1][:keep] if prev is not None and keep else []
         new = hasher.block_hashes(tokens[keep * bs : n_blocks * bs], parent=base[-1] if base else None,
@@ -241,8 +241,13 @@ class PromptBuilder:
         self._texts.pop(conversation, None)
 
 
-def _common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
-    """Length of the common prefix, by bisection on C-speed slice compares (no per-token Python loop)."""
+def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """Length of the common prefix, by bisection on C-speed slice compares (no per-token Python loop).
+
+    Slices only compare equal between sequences of the same type (a list never equals a tuple), so
+    token sequences are compared as lists."""
+    if type(a) is not type(b) and not (isinstance(a, str) and isinstance(b, str)):
+        a, b = list(a), list(b)
     lo, hi = 0, min(len(a), len(b))
     if a[:hi] == b[:hi]:  # the common case: the new prompt extends the old one
         return hi

@@ -102,6 +102,17 @@ class SimWorker:
     def _new_id(self, prefix: str) -> str:
         return f"{prefix}-{uuid.uuid4().hex[:16]}{next(self._ids)}"
 
+    async def _body(self, request: Request) -> dict[str, Any] | JSONResponse:
+        """The request's JSON object for this model, or vLLM's error answer."""
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _err("Invalid JSON body", 400)
+        if not isinstance(body, dict):
+            return _err("Request body must be a JSON object", 400)
+        bad = self._check_model(body)
+        return bad if bad is not None else body
+
     def _note_ignored(self, body: dict[str, Any], known: frozenset[str]) -> None:
         extra = sorted(set(body) - known)
         if extra:
@@ -164,14 +175,9 @@ class SimWorker:
 
     # -- endpoints -----------------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _err("Invalid JSON body", 400)
-        if not isinstance(body, dict):
-            return _err("Request body must be a JSON object", 400)
-        if (bad := self._check_model(body)) is not None:
-            return bad
+        body = await self._body(request)
+        if isinstance(body, JSONResponse):
+            return body
         self._note_ignored(body, _CHAT_FIELDS)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
@@ -199,8 +205,7 @@ class SimWorker:
         created = int(time.time())
         model = self.settings.model
         if body.get("stream"):
-            opts = body.get("stream_options") or {}
-            include_usage = bool(opts.get("include_usage", True)) if isinstance(opts, dict) and opts else False
+            include_usage = _include_usage(body)
             return StreamingResponse(self._stream_chat(req, out, created, model, include_usage),
                                      media_type="text/event-stream")
         self.in_flight += 1
@@ -258,14 +263,9 @@ class SimWorker:
                 self.runner.abort(req.id)
 
     async def completions(self, request: Request) -> Response:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _err("Invalid JSON body", 400)
-        if not isinstance(body, dict):
-            return _err("Request body must be a JSON object", 400)
-        if (bad := self._check_model(body)) is not None:
-            return bad
+        body = await self._body(request)
+        if isinstance(body, JSONResponse):
+            return body
         self._note_ignored(body, _COMPLETION_FIELDS)
         p = body.get("prompt")
         if isinstance(p, str):
@@ -295,8 +295,7 @@ class SimWorker:
         created = int(time.time())
         model = self.settings.model
         if body.get("stream"):
-            opts = body.get("stream_options") or {}
-            include_usage = bool(opts.get("include_usage", True)) if isinstance(opts, dict) and opts else False
+            include_usage = _include_usage(body)
             return StreamingResponse(self._stream_completion(req, out, created, model, include_usage),
                                      media_type="text/event-stream")
         self.in_flight += 1
@@ -349,14 +348,9 @@ class SimWorker:
                 self.runner.abort(req.id)
 
     async def tokenize(self, request: Request) -> Response:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _err("Invalid JSON body", 400)
-        if not isinstance(body, dict):
-            return _err("Request body must be a JSON object", 400)
-        if (bad := self._check_model(body)) is not None:
-            return bad
+        body = await self._body(request)
+        if isinstance(body, JSONResponse):
+            return body
         try:
             if isinstance(body.get("messages"), list):
                 ids = self.tokenizer.encode_chat(
@@ -430,6 +424,12 @@ class SimWorker:
                     "hash_algo": s.hash_algo}
 
         return app
+
+
+def _include_usage(body: dict[str, Any]) -> bool:
+    # vLLM: a stream carries a usage chunk when stream_options is given and include_usage is not false.
+    opts = body.get("stream_options")
+    return bool(opts.get("include_usage", True)) if isinstance(opts, dict) and opts else False
 
 
 def _delta_json(d: Delta) -> dict[str, Any]:
