@@ -116,3 +116,46 @@ def test_identical_replies_are_not_guessed() -> None:
     assert s.find("c", {"role": "assistant", "content": "Done."}) is None
     s.add("d", {"role": "assistant", "content": "Unique.", "reasoning": "r"})
     assert s.find("d", {"role": "assistant", "content": "Unique."}) is not None
+
+
+@pytest.mark.parametrize("name", sorted(PROFILES))
+def test_every_profile_on_a_crafted_conversation(name: str) -> None:
+    """Per profile: the open turn is untouched, reasoning goes to the field the engine reads, drop
+    removes completed turns' reasoning except where the protocol requires it back (DeepSeek + tools)."""
+    p = PROFILES[name].with_policy(ReasoningPolicy.parse("drop"))
+    parallel = {**EXACT_1, "tool_calls": [call("t1", '{"q": 1}'), call("t2", '{"q": 2}')]}
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "go"}, parallel,
+            {"role": "tool", "tool_call_id": "t1", "content": "a"},
+            {"role": "tool", "tool_call_id": "t2", "content": "b"},
+            {"role": "assistant", "content": "done", "reasoning_content": "because"},
+            {"role": "user", "content": "next"},
+            {"role": "assistant", "content": "", "reasoning": "open-turn thought",
+             "tool_calls": [call("t3", '{"q": 3}')]},
+            {"role": "tool", "tool_call_id": "t3", "content": "c"}]
+    out = canonicalize(msgs, p, ExactStore(), "c", words)
+    field, other = p.reasoning_in, ({"reasoning", "reasoning_content"} - {p.reasoning_in}).pop()
+    assert out.messages[7][field] == "open-turn thought" and other not in out.messages[7]  # open turn: kept
+    assert field not in out.messages[5] and other not in out.messages[5]                    # plain turn: dropped
+    kept_with_tools = p.reasoning_required_with_tools
+    assert (field in out.messages[2]) == kept_with_tools
+    assert [c["function"]["arguments"] for c in out.messages[2]["tool_calls"]] == ['{"q": 1}', '{"q": 2}']
+    keep = canonicalize(msgs, PROFILES[name], ExactStore(), "c", words)
+    assert keep.messages[5][field] == "because" and keep.reasoning_changed == []
+
+
+async def test_truncate_counts_model_tokens_when_the_tokenizer_is_known(tokenizer: Any) -> None:
+    from kvgate.gateway.prompts import PromptBuilder
+    from kvgate.gateway.turns import TurnKeeper
+    from kvgate.router.hashing import VllmHasher
+
+    async def none(model: str, body: dict[str, Any]) -> list[int] | None:
+        return None
+
+    pb = PromptBuilder({"kvgate-tiny": tokenizer}, {"kvgate-tiny": VllmHasher(16, seed="0")}, none, 10)
+    keeper = TurnKeeper({}, "truncate:3", {}, pb)
+    proto = keeper.protocol("kvgate-tiny", "", None)
+    msgs = [{"role": "user", "content": "q"},
+            {"role": "assistant", "content": "a", "reasoning": "the cache of the model is warm"},
+            {"role": "user", "content": "next"}]
+    out = keeper.canonical(proto, msgs, "c", "kvgate-tiny")
+    assert len(tokenizer.encode(out.messages[1]["reasoning"])) == 3

@@ -220,6 +220,14 @@ class PromptBuilder:
         self._chains[key] = (tokens, [], None)
         return tokens
 
+    def truncate_tokens(self, model: str, text: str, n: int) -> str | None:
+        """``text`` cut to its first ``n`` tokens of ``model``; None without a local tokenizer."""
+        tok = self._tok.get(model)
+        if tok is None:
+            return None
+        ids = tok.encode(text)
+        return text if len(ids) <= n else tok.decode(ids[:n])
+
     def render_prefix(self, model: str, messages: list[dict[str, Any]], tools: Any, marker: str) -> list[int] | None:
         """Tokens of the rendered ``messages`` up to the special token that opens the message holding
         ``marker`` (a placeholder): the prefix any next message will share."""

@@ -19,7 +19,8 @@ Strips = Literal["never", "before_last_user", "always", "after_final", "outside_
 class ReasoningPolicy:
     mode: Literal["keep", "drop", "truncate"]
     tokens: int = 0
-    """For ``truncate``: how many tokens of reasoning a completed turn keeps."""
+    """For ``truncate``: how many tokens of reasoning a completed turn keeps (the model's tokens when
+    kvgate has its tokenizer, words otherwise)."""
 
     @classmethod
     def parse(cls, text: str) -> ReasoningPolicy:

@@ -162,7 +162,7 @@ class Proxy:
             # The history the engine sees: exact replies restored, completed turns canonical.
             requested = body.get("reasoning_policy") or request.headers.get("x-kvgate-reasoning-policy")
             protocol = self.turns.protocol(model, ident.tenant, requested)
-            canonical = self.turns.canonical(protocol, body["messages"], ident.conversation_id)
+            canonical = self.turns.canonical(protocol, body["messages"], ident.conversation_id, model)
             body = {**body, "messages": canonical.messages}
             turn = _Turn(canonical, str(protocol.policy), tools=body.get("tools"))
         prompt = await self.prompts.prepare(model, endpoint, body, ident.conversation_id)

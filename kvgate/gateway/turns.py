@@ -96,9 +96,12 @@ class TurnKeeper:
                 raise BadRequest(str(exc), param="reasoning_policy", code="invalid_value") from exc
         return base.with_policy(policy)
 
-    def canonical(self, protocol: ModelProtocol, messages: list[Message], conversation: str) -> Canonical:
+    def canonical(self, protocol: ModelProtocol, messages: list[Message], conversation: str,
+                  model: str | None = None) -> Canonical:
         def truncate(text: str, n: int) -> str:
-            return " ".join(text.split(" ")[:n])
+            # In the model's tokens when kvgate has its tokenizer, in words otherwise.
+            cut = self._prompts.truncate_tokens(model, text, n) if model else None
+            return cut if cut is not None else " ".join(text.split(" ")[:n])
 
         return canonicalize(messages, protocol, self.exact, conversation, truncate)
 
@@ -166,7 +169,7 @@ class TurnKeeper:
             return None
         placeholder = "\x00kvgate-next-turn\x00"
         canonical = self.canonical(protocol, [*last.messages, last.reply, {"role": "user", "content": placeholder}],
-                                   conversation)
+                                   conversation, model)
         return self._prompts.render_prefix(model, canonical.messages, last.tools, placeholder)
 
 
