@@ -66,6 +66,32 @@ def tokenize_body(endpoint: str, body: Mapping[str, Any]) -> dict[str, Any] | No
     return None
 
 
+@dataclass(slots=True)
+class _Chain:
+    """What kvgate keeps of a conversation's last prompt, so the next one is tokenized and hashed only
+    from where it differs. One record per conversation, one LRU bound."""
+
+    tokens: list[int]
+    hashes: list[BlockHash]
+    ints: list[int]
+    """The hashes in event form, so a turn converts only its new blocks."""
+    salt: str | None = None
+    text: str | None = None
+    """The rendered chat the tokens came from (None when they did not come from local rendering)."""
+    ends: list[int] | None = None
+    """Character offset in ``text`` where each token ends."""
+
+
+@dataclass(slots=True)
+class _Tokens:
+    tokens: list[int] | None
+    source: Source
+    same_prefix: int | None = None
+    """Leading tokens proven equal to the conversation's previous prompt (saves a compare)."""
+    text: str | None = None
+    ends: list[int] | None = None
+
+
 class PromptBuilder:
     def __init__(self, tokenizers: Mapping[str, ChatTokenizer], hashers: Mapping[str, VllmHasher],
                  worker_tokenize: WorkerTokenize, max_conversations: int = 10_000) -> None:
@@ -73,11 +99,7 @@ class PromptBuilder:
         self._hashers = dict(hashers)
         self._worker_tokenize = worker_tokenize
         self._max = max_conversations
-        self._chains: OrderedDict[str, tuple[list[int], list[BlockHash], str | None]] = OrderedDict()
-        self._ints: dict[str, list[int]] = {}
-        """The event-form ints of each chain's hashes, kept so a turn converts only its new blocks."""
-        self._texts: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()
-        """Per conversation: the last rendered prompt and its token end offsets (local tokenizer only)."""
+        self._chains: OrderedDict[str, _Chain] = OrderedDict()
         self.retokenized_chars = 0
         self.mode: dict[str, Source] = {m: ("local" if m in self._tok else "worker") for m in self._hashers}
         self.parity_failures: dict[str, int] = {}
@@ -110,28 +132,21 @@ class PromptBuilder:
 
     # -- per request -------------------------------------------------------------------------------
     async def prepare(self, model: str, endpoint: str, body: Mapping[str, Any], conversation: str) -> Prompt:
-        tokens, source, same, rendered = await self._tokens(model, endpoint, body, conversation)
-        if not rendered:
-            # These tokens did not come from a rendered chat: the stored text no longer matches them.
-            self._texts.pop(conversation, None)
+        prev = self._chains.get(conversation)
+        got = await self._tokens(model, endpoint, body, prev)
         hasher = self._hashers.get(model)
-        if tokens is None or hasher is None:
+        if got.tokens is None or hasher is None:
             return Prompt(_estimate(body), (), "estimate")
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-        hashes, reused = self._hash(conversation, tokens, hasher, salt, same)
-        ints = self._ints.get(conversation, [])[:reused] + [event_int(h) for h in hashes[reused:]]
-        if self._max:
-            self._ints[conversation] = ints
-            if len(self._ints) > self._max:
-                self._ints = {k: v for k, v in self._ints.items() if k in self._chains}
-        return Prompt(len(tokens), tuple(ints), source, reused, tuple(tokens))
+        chain, reused = self._extend(prev, got.tokens, hasher, salt, got.same_prefix)
+        chain.text, chain.ends = got.text, got.ends
+        self._remember(conversation, chain)
+        return Prompt(len(got.tokens), tuple(chain.ints), got.source, reused, tuple(got.tokens))
 
-    async def _tokens(self, model: str, endpoint: str, body: Mapping[str, Any], conversation: str = ""
-                      ) -> tuple[list[int] | None, Source, int | None, bool]:
-        """(tokens, source, tokens proven equal to the conversation's previous prompt, rendered chat?)"""
+    async def _tokens(self, model: str, endpoint: str, body: Mapping[str, Any], prev: _Chain | None) -> _Tokens:
         if endpoint == "completions" and isinstance(body.get("prompt"), list) and body["prompt"] \
                 and all(isinstance(t, int) for t in body["prompt"]):
-            return list(body["prompt"]), "local", None, False
+            return _Tokens(list(body["prompt"]), "local")
         tok = self._tok.get(model)
         if tok is not None and self.mode.get(model) == "local":
             try:
@@ -139,85 +154,83 @@ class PromptBuilder:
                     kwargs = body.get("chat_template_kwargs")
                     text = tok.render_chat(body["messages"], body.get("tools"), True,
                                            kwargs if isinstance(kwargs, dict) else None)
-                    tokens, same = self._encode_incremental(tok, conversation, text)
-                    return tokens, "local", same, True
+                    tokens, same, ends = self._encode_incremental(tok, prev, text)
+                    return _Tokens(tokens, "local", same, text, ends)
                 if isinstance(body.get("prompt"), str):
                     prompt = body["prompt"]
                     if len(prompt) > 4096:
                         # tokenizers releases the GIL: a long prompt is encoded beside the event loop.
-                        return await asyncio.to_thread(tok.encode, prompt, True), "local", None, False
-                    return tok.encode(prompt, add_special_tokens=True), "local", None, False
+                        return _Tokens(await asyncio.to_thread(tok.encode, prompt, True), "local")
+                    return _Tokens(tok.encode(prompt, add_special_tokens=True), "local")
             except (TemplateError, TypeError, ValueError, KeyError) as exc:
                 log.info("local tokenization failed (%s); asking a worker", exc)
         req = tokenize_body(endpoint, body)
         if req is None:
-            return None, "estimate", None, False
+            return _Tokens(None, "estimate")
         got = await self._worker_tokenize(model, req)
-        return (got, "worker", None, False) if got is not None else (None, "estimate", None, False)
+        return _Tokens(got, "worker") if got is not None else _Tokens(None, "estimate")
 
-    def _encode_incremental(self, tok: ChatTokenizer, conversation: str, text: str) -> tuple[list[int], int | None]:
-        """Tokenize ``text``, re-using the conversation's previous tokens up to the last special token
-        before the first changed character: a turn costs its new text, not its whole history."""
-        prev = self._texts.get(conversation) if self._max else None
-        prev_tokens = self._chains.get(conversation)
-        if prev is not None and prev_tokens is not None:
-            old_text, old_ends = prev
-            split = tok.last_safe_split(text, common_prefix(old_text, text))
-            k = bisect.bisect_right(old_ends, split)
-            if split > 0 and k > 0 and old_ends[k - 1] == split:
+    def _encode_incremental(self, tok: ChatTokenizer, prev: _Chain | None, text: str
+                            ) -> tuple[list[int], int | None, list[int]]:
+        """Tokenize ``text``, re-using the previous prompt's tokens up to the last special token before
+        the first changed character: a turn costs its new text, not its whole history.
+        Returns (tokens, how many leading tokens were re-used or None, token end offsets)."""
+        if prev is not None and prev.text is not None and prev.ends is not None:
+            split = tok.last_safe_split(text, common_prefix(prev.text, text))
+            k = bisect.bisect_right(prev.ends, split)
+            if split > 0 and k > 0 and prev.ends[k - 1] == split:
                 ids, ends = tok.encode_with_ends(text[split:])
-                tokens = prev_tokens[0][:k] + ids
-                all_ends = old_ends[:k] + [split + e for e in ends]
                 self.retokenized_chars += len(text) - split
-                self._remember_text(conversation, text, all_ends)
-                return tokens, k
+                return prev.tokens[:k] + ids, k, prev.ends[:k] + [split + e for e in ends]
         tokens, ends = tok.encode_with_ends(text)
         self.retokenized_chars += len(text)
-        self._remember_text(conversation, text, ends)
-        return tokens, None
+        return tokens, None, ends
 
-    def _remember_text(self, conversation: str, text: str, ends: list[int]) -> None:
-        if not self._max:
-            return
-        self._texts[conversation] = (text, ends)
-        self._texts.move_to_end(conversation)
-        while len(self._texts) > self._max:
-            self._texts.popitem(last=False)
-
-    def _hash(self, conversation: str, tokens: list[int], hasher: VllmHasher, salt: str | None,
-              same_prefix: int | None = None) -> tuple[list[BlockHash], int]:
+    def _extend(self, prev: _Chain | None, tokens: list[int], hasher: VllmHasher, salt: str | None,
+                same_prefix: int | None) -> tuple[_Chain, int]:
+        """The new prompt's chain, hashing only blocks past its common prefix with the previous one."""
         bs = hasher.block_size
         n_blocks = len(tokens) // bs
-        prev = self._chains.get(conversation)
         keep = 0
-        if prev is not None and prev[2] == salt:
-            old_tokens, old_hashes, _ = prev
-            common = same_prefix if same_prefix is not None else common_prefix(old_tokens, tokens)
-            keep = min(common // bs, len(old_hashes), n_blocks)
-        base = prev[1][:keep] if prev is not None and keep else []
+        if prev is not None and prev.salt == salt and prev.hashes:
+            common = same_prefix if same_prefix is not None else common_prefix(prev.tokens, tokens)
+            keep = min(common // bs, len(prev.hashes), n_blocks)
+        base = prev.hashes[:keep] if prev is not None and keep else []
         new = hasher.block_hashes(tokens[keep * bs : n_blocks * bs], parent=base[-1] if base else None,
                                   cache_salt=salt, start_block=keep)
-        hashes = base + new
-        if self._max:
-            self._chains[conversation] = (tokens, hashes, salt)
-            self._chains.move_to_end(conversation)
-            while len(self._chains) > self._max:
-                self._chains.popitem(last=False)
-        return hashes, keep
+        ints = (prev.ints[:keep] if prev is not None and keep else []) + [event_int(h) for h in new]
+        return _Chain(tokens, base + new, ints, salt), keep
 
-    def render_tokens(self, model: str, messages: list[dict[str, Any]], tools: Any, key: str) -> list[int] | None:
-        """Tokens of ``messages`` rendered as history (no generation prompt), incrementally under ``key``;
-        None without a local tokenizer. The trailing newline the template writes after the last message is
-        not something the engine generated, so it is left out."""
+    def _remember(self, key: str, chain: _Chain) -> None:
+        if not self._max:
+            return
+        self._chains[key] = chain
+        self._chains.move_to_end(key)
+        while len(self._chains) > self._max:
+            self._chains.popitem(last=False)
+
+    def _render_history(self, model: str, messages: list[dict[str, Any]], tools: Any
+                        ) -> tuple[ChatTokenizer, str] | None:
+        """``messages`` rendered as history (no generation prompt) with the local tokenizer, if any."""
         tok = self._tok.get(model)
         if tok is None or self.mode.get(model) != "local":
             return None
         try:
-            text = tok.render_chat(messages, tools, add_generation_prompt=False)
+            return tok, tok.render_chat(messages, tools, add_generation_prompt=False)
         except (TemplateError, TypeError, ValueError, KeyError):
             return None
-        tokens, _ = self._encode_incremental(tok, key, text.rstrip("\n"))
-        self._chains[key] = (tokens, [], None)
+
+    def render_tokens(self, model: str, messages: list[dict[str, Any]], tools: Any, key: str) -> list[int] | None:
+        """Tokens of ``messages`` rendered as history, incrementally under ``key``; None without a local
+        tokenizer. The trailing newline the template writes after the last message is not something the
+        engine generated, so it is left out."""
+        rendered = self._render_history(model, messages, tools)
+        if rendered is None:
+            return None
+        tok, text = rendered
+        text = text.rstrip("\n")
+        tokens, _, ends = self._encode_incremental(tok, self._chains.get(key), text)
+        self._remember(key, _Chain(tokens, [], [], None, text, ends))
         return tokens
 
     def truncate_tokens(self, model: str, text: str, n: int) -> str | None:
@@ -231,22 +244,12 @@ class PromptBuilder:
     def render_prefix(self, model: str, messages: list[dict[str, Any]], tools: Any, marker: str) -> list[int] | None:
         """Tokens of the rendered ``messages`` up to the special token that opens the message holding
         ``marker`` (a placeholder): the prefix any next message will share."""
-        tok = self._tok.get(model)
-        if tok is None or self.mode.get(model) != "local":
+        rendered = self._render_history(model, messages, tools)
+        if rendered is None:
             return None
-        try:
-            text = tok.render_chat(messages, tools, add_generation_prompt=False)
-        except (TemplateError, TypeError, ValueError, KeyError):
-            return None
+        tok, text = rendered
         cut = text.find(marker)
-        if cut < 0:
-            return None
-        return tok.encode(text[: tok.last_safe_split(text, cut)])
-
-    def forget(self, conversation: str) -> None:
-        self._ints.pop(conversation, None)
-        self._chains.pop(conversation, None)
-        self._texts.pop(conversation, None)
+        return None if cut < 0 else tok.encode(text[: tok.last_safe_split(text, cut)])
 
 
 def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
