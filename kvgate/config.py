@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 from urllib.parse import urlparse
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
@@ -199,7 +199,3 @@ def format_validation_error(exc: ValidationError) -> str:
         lines.append(f"  {loc}: {err['msg']}" + (f" (got {err['input']!r})" if "input" in err and
                                                    not isinstance(err["input"], dict) else ""))
     return "invalid configuration:\n" + "\n".join(lines)
-
-
-def load_gateway_settings(**overrides: Any) -> GatewaySettings:
-    return GatewaySettings(**overrides)

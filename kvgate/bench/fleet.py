@@ -19,7 +19,6 @@ from kvgate.router.approx import ApproxIndex
 from kvgate.router.cost import CostModel, CostParams
 from kvgate.router.hashing import VllmHasher, event_int
 from kvgate.router.index import PrefixIndex
-from kvgate.router.kvevents import KvEventState
 from kvgate.router.policies import Policy, make_policy
 from kvgate.router.types import ConversationId, FleetView, RouteRequest, WorkerId, WorkerView
 from kvgate.sim.blockpool import BlockRemoved, BlockStored, KVEvent
@@ -67,9 +66,6 @@ class FleetSim:
         self.ids = [WorkerId(f"w{i}") for i in range(n_workers)]
         self.acct = [_Acct() for _ in range(n_workers)]
         self.index = PrefixIndex()
-        self.events = KvEventState(self.index)
-        for w in self.ids:
-            self.events.add_worker(w)
         self.approx = ApproxIndex(approx_ttl_s)
         self.policy: Policy = (CostModel(cost or profile.cost_params()) if mode.startswith("kvgate")
                                else make_policy(mode))

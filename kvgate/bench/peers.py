@@ -22,7 +22,7 @@ import httpx
 
 from kvgate.bench.report import Row
 from kvgate.bench.trace import TraceRequest, load_mooncake
-from kvgate.dev.engines import EngineSet, Proc, _spawn, ensure_router, free_port, wait_http
+from kvgate.dev.engines import EngineSet, Proc, ensure_router, free_port, spawn, wait_http
 from kvgate.tokens.tinymodel import WORDS, ensure_tiny_model
 
 MODEL = "kvgate-tiny"
@@ -115,7 +115,7 @@ async def run_router(name: str, n_workers: int, trace: list[TraceRequest], scale
                    "KVGATE_SIM_HASH_SEED": "0", "KVGATE_SIM_MODEL_DIR": str(model_dir),
                    "KVGATE_SIM_KV_EVENTS_ENDPOINT": f"tcp://127.0.0.1:{ev}",
                    "KVGATE_SIM_KV_REPLAY_ENDPOINT": f"tcp://127.0.0.1:{rep}"}
-            p = _spawn(f"sim-{port}", [_python(), "-m", "kvgate.cli", "--log-level", "WARNING", "sim", "--port",
+            p = spawn(f"sim-{port}", [_python(), "-m", "kvgate.cli", "--log-level", "WARNING", "sim", "--port",
                                         str(port)], env, engines.run_dir)
             p.url = f"http://127.0.0.1:{port}"
             engines.procs.append(p)
@@ -129,7 +129,7 @@ async def run_router(name: str, n_workers: int, trace: list[TraceRequest], scale
             workers = [{"url": u, "model": MODEL, "engine": "sim", "block_size": 64, "kv_events": "auto"} for u in urls]
             env = {"KVGATE_WORKERS": json.dumps(workers), "KVGATE_TOKENIZERS": json.dumps({MODEL: str(model_dir)}),
                    "KVGATE_HASH_SEED": "0", "KVGATE_HEALTH_INTERVAL_S": "1"}
-            gw: Proc = _spawn(f"kvgate-{port}", [_python(), "-m", "kvgate.cli", "--log-level", "WARNING", "serve",
+            gw: Proc = spawn(f"kvgate-{port}", [_python(), "-m", "kvgate.cli", "--log-level", "WARNING", "serve",
                                                  "--port", str(port)], env, engines.run_dir)
             gw.url = f"http://127.0.0.1:{port}"
             engines.procs.append(gw)

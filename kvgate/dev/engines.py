@@ -194,7 +194,7 @@ def _proc_stat(pid: int) -> tuple[str, int] | None:
     return fields[0], int(fields[19])
 
 
-def _spawn(name: str, cmd: Sequence[str], env: dict[str, str], run_dir: Path) -> Proc:
+def spawn(name: str, cmd: Sequence[str], env: dict[str, str], run_dir: Path) -> Proc:
     run_dir.mkdir(parents=True, exist_ok=True)
     log = run_dir / f"{name}.log"
     f = open(log, "wb")
@@ -288,7 +288,7 @@ class EngineSet:
             env.pop("PYTHONHASHSEED")
         else:
             env["PYTHONHASHSEED"] = w.hash_seed
-        p = _spawn(f"vllm-{w.port}", args, env, self.run_dir)
+        p = spawn(f"vllm-{w.port}", args, env, self.run_dir)
         p.url = f"http://127.0.0.1:{w.port}"
         p.meta = asdict(w)
         self.procs.append(p)
@@ -308,7 +308,7 @@ class EngineSet:
                 "--chunk-size", "256", "--l1-size-gb", str(l1_gb), "--eviction-policy", "LRU",
                 "--http-host", "127.0.0.1", "--http-port", str(http_port), "--max-workers", "2",
                 "--supported-transfer-mode", "auto", "--l2-adapter", json.dumps(l2)]
-        p = _spawn(f"lmcache-{port}", args, self._vllm_env(0), self.run_dir)
+        p = spawn(f"lmcache-{port}", args, self._vllm_env(0), self.run_dir)
         p.url = f"http://127.0.0.1:{http_port}"
         self.procs.append(p)
         self.startup_s[p.name] = wait_http(p, p.url + "/healthcheck", self.timeout)
@@ -321,7 +321,7 @@ class EngineSet:
                    "--port", str(port), *args]
         else:
             cmd = [str(venv / "bin" / "vllm-router"), "--host", "127.0.0.1", "--port", str(port), *args]
-        p = _spawn(f"{name}-{port}", cmd, {}, self.run_dir)
+        p = spawn(f"{name}-{port}", cmd, {}, self.run_dir)
         p.url = f"http://127.0.0.1:{port}"
         self.procs.append(p)
         self.startup_s[p.name] = wait_http(p, p.url + "/health", 60)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvgate.router.hashing import BlockHash, VllmHasher
@@ -208,7 +207,7 @@ class EngineCore:
             num_new = min(budget, req.known_len - hit_tokens)
             need = -(-(hit_tokens + num_new) // self.block_size) - len(hit)
             # Hit blocks sitting in the free queue are not free for this request's allocation.
-            free_after_touch = self.pool.num_free - sum(1 for b in hit if self._is_free(b))
+            free_after_touch = self.pool.num_free - sum(1 for b in hit if self.pool.is_free(b))
             if need > free_after_touch:
                 break
             self.waiting.popleft()
@@ -237,12 +236,20 @@ class EngineCore:
                 chunks.append((s.num_new, s.context))
         return StepPlan(tuple(out), self.profile.step_ms(chunks, dec_batch, dec_ctx))
 
-    def _is_free(self, block_id: int) -> bool:
-        return self.pool.is_free(block_id)
+    def _cache_full_blocks(self, req: SimRequest) -> None:
+        """Blocks that became full (their KV computed) join the prefix cache, as vLLM caches them."""
+        bs = self.block_size
+        full = req.num_computed // bs
+        if full <= req.num_cached_blocks:
+            return
+        self._ensure_hashes(req, full)
+        a = req.num_cached_blocks
+        self.pool.cache_blocks(req.blocks[a:full], req.hashes[a:full], req.hashes[a - 1] if a > 0 else None,
+                               req.tokens(a * bs, full * bs), (req.cache_salt,) if req.cache_salt else None)
+        req.num_cached_blocks = full
 
     def finish_step(self, plan: StepPlan, now: float) -> list[TokenOutput]:
         outs: list[TokenOutput] = []
-        bs = self.block_size
         for s in plan.scheduled:
             req = s.request
             if req.status is not Status.RUNNING:
@@ -250,18 +257,7 @@ class EngineCore:
             if req.generated == 0 or s.num_new > 1:
                 self.stats.computed_prefill_tokens += s.num_new
             req.num_computed += s.num_new
-            full = req.num_computed // bs
-            if full > req.num_cached_blocks:
-                self._ensure_hashes(req, full)
-                a = req.num_cached_blocks
-                self.pool.cache_blocks(
-                    req.blocks[a:full],
-                    req.hashes[a:full],
-                    req.hashes[a - 1] if a > 0 else None,
-                    req.tokens(a * bs, full * bs),
-                    (req.cache_salt,) if req.cache_salt else None,
-                )
-                req.num_cached_blocks = full
+            self._cache_full_blocks(req)
             if req.num_computed == req.known_len:
                 tok = req.output[req.generated]
                 req.generated += 1
@@ -277,7 +273,8 @@ class EngineCore:
     def decode_burst(self, max_ms: float) -> tuple[int, float]:
         """Run consecutive pure-decode steps at once, for virtual-time drivers: up to the step before the
         first request would finish, within ``max_ms``, and only while nothing waits and no step would
-        need to evict. Returns (steps, elapsed ms); (0, 0) when the normal path must run.
+        need to preempt (evicting free cached blocks is allowed, as the step-by-step path does).
+        Returns (steps, elapsed ms); (0, 0) when the normal path must run.
 
         Same tokens, timing and cached blocks as the step-by-step path; only the order in which block
         ids are taken within the burst differs (each request takes its new blocks together).
@@ -313,13 +310,7 @@ class EngineCore:
                 r.blocks.extend(got)
             r.num_computed += k
             r.generated += k
-            full = r.num_computed // bs
-            if full > r.num_cached_blocks:
-                self._ensure_hashes(r, full)
-                a = r.num_cached_blocks
-                self.pool.cache_blocks(r.blocks[a:full], r.hashes[a:full], r.hashes[a - 1] if a > 0 else None,
-                                       r.tokens(a * bs, full * bs), (r.cache_salt,) if r.cache_salt else None)
-                r.num_cached_blocks = full
+            self._cache_full_blocks(r)
         self.stats.generation_tokens += k * batch
         return k, elapsed
 
@@ -337,7 +328,3 @@ class EngineCore:
 
     def cached_block_count(self) -> int:
         return len(self.pool.cached_hashes())
-
-
-def prompt_hashes(hasher: VllmHasher, tokens: Sequence[int], cache_salt: str | None = None) -> list[BlockHash]:
-    return hasher.block_hashes(tokens, cache_salt=cache_salt)

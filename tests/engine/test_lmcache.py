@@ -42,22 +42,22 @@ def lmc(tmp_path_factory: pytest.TempPathFactory, real_model: Path) -> Iterator[
         s.stop()
 
 
-def by_source(url: str) -> dict[str, float]:
+def _sum_by(url: str, pattern: str) -> dict[str, float]:
+    """Prometheus samples matching ``pattern`` (group 1: the key, group 2: the value), summed per key."""
     out: dict[str, float] = {}
     for line in httpx.get(url + "/metrics").text.splitlines():
-        m = re.match(r'vllm:prompt_tokens_by_source_total\{.*source="([a-z_]+)".*\} ([0-9.e+]+)', line)
+        m = re.match(pattern, line)
         if m:
             out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
     return out
+
+
+def by_source(url: str) -> dict[str, float]:
+    return _sum_by(url, r'vllm:prompt_tokens_by_source_total\{.*source="([a-z_]+)".*\} ([0-9.e+]+)')
 
 
 def lmcache_hits(url: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        m = re.match(r"lmcache_mp_lookup_hit_(l1|l2)_tokens_total\{.*\} ([0-9.e+]+)", line)
-        if m:
-            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
-    return out
+    return _sum_by(url, r"lmcache_mp_lookup_hit_(l1|l2)_tokens_total\{.*\} ([0-9.e+]+)")
 
 
 def prompt(seed: int, n: int = 1300) -> list[int]:
