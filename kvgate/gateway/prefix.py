@@ -23,7 +23,7 @@ class PrefixKnowledge:
         return self._block_size.get(model, 16)
 
     def precise(self, wid: WorkerId) -> bool:
-        return wid in self.events.workers()
+        return self.events.follows(wid)
 
     def match(self, model: str, hashes: Sequence[int], workers: Sequence[WorkerId], now: float
               ) -> dict[WorkerId, int]:

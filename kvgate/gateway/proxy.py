@@ -78,13 +78,11 @@ class _Ctx:
     prompt: Prompt
     ttft_s: float | None = None
     usage: Usage | None = None
-    canonical: Canonical | None = None
-    policy: str = ""
-    loss: PromptLoss | None = None
+    turn: _Turn | None = None
+    """Chat only: the canonical history sent, its policy, the loss explanation."""
     reply: Reply = field(default_factory=Reply)
     chosen_matched_tokens: int = 0
     best_matched_tokens: int = 0
-    tools: Any = None
     response_id: str | None = None
 
     @property
@@ -139,13 +137,6 @@ class Proxy:
         except identity.BadIdentity as exc:
             raise BadRequest(str(exc), param=exc.param, code="invalid_conversation_id") from exc
         self.metrics.conversation_source.labels(ident.source.split(":")[0]).inc()
-        try:
-            session = await self.sessions.get(ident.conversation_id)
-        except SessionStoreError as exc:
-            # The store is down: route without the conversation's history rather than fail.
-            self.metrics.session_store_errors.inc()
-            log.warning("session store: %s", exc)
-            session = None
         turn: _Turn | None = None
         if endpoint == "chat" and body.get("previous_response_id"):
             # Stateful continuation: the client sends only what is new; kvgate holds the rest.
@@ -158,6 +149,13 @@ class Proxy:
                 raise Conflict(str(exc), param=f"messages[{exc.index}]", code="history_conflict") from exc
             ident = identity.Identity(ConversationId(cid), "previous_response_id", ident.tenant)
             body = {**body, "messages": full}
+        try:
+            session = await self.sessions.get(ident.conversation_id)
+        except SessionStoreError as exc:
+            # The store is down: route without the conversation's history rather than fail.
+            self.metrics.session_store_errors.inc()
+            log.warning("session store: %s", exc)
+            session = None
         if endpoint == "chat":
             # The history the engine sees: exact replies restored, completed turns canonical.
             requested = body.get("reasoning_policy") or request.headers.get("x-kvgate-reasoning-policy")
@@ -168,8 +166,8 @@ class Proxy:
         prompt = await self.prompts.prepare(model, endpoint, body, ident.conversation_id)
         self.metrics.prompt_source.labels(prompt.source).inc()
         if turn is not None:
-            turn.loss = self.turns.explain(model, ident.conversation_id, prompt.tokens, self.prefix.block_size(model),
-                                           turn.canonical, body.get("tools"))
+            turn.loss = self.turns.explain(ident.conversation_id, prompt.tokens, self.prefix.block_size(model),
+                                           turn.canonical)
             for r in turn.canonical.restored:
                 self.metrics.restored.labels(r.field.split(":")[0]).inc()
         fwd = {k: v for k, v in body.items() if k not in KVGATE_FIELDS}
@@ -230,8 +228,7 @@ class Proxy:
             bs = self.prefix.block_size(model)
             ctx.chosen_matched_tokens = matched.get(wid, 0) * bs
             ctx.best_matched_tokens = max(matched.values(), default=0) * bs
-            if turn is not None:
-                ctx.canonical, ctx.policy, ctx.loss, ctx.tools = turn.canonical, turn.policy, turn.loss, turn.tools
+            ctx.turn = turn
             worker = self.pool.get(wid)
             self.pool.acquire(wid, ctx.prefill_tokens)
             released = False
@@ -321,13 +318,14 @@ class Proxy:
         }
 
     def _history_headers(self, ctx: _Ctx) -> dict[str, str]:
-        if ctx.canonical is None:
+        turn = ctx.turn
+        if turn is None:
             return {}
-        out = {"x-kvgate-history": f"policy={ctx.policy}; restored={len(ctx.canonical.restored)}; "
-                                   f"reasoning_changed={len(ctx.canonical.reasoning_changed)}"}
-        if ctx.loss is not None:
-            out["x-kvgate-prefix-reuse"] = (f"cached={ctx.decision.expected_cached_tokens}; expected={ctx.loss.best}; "
-                                            f"lost={ctx.loss.lost}; cause={ctx.loss.cause or 'none'}")
+        out = {"x-kvgate-history": f"policy={turn.policy}; restored={len(turn.canonical.restored)}; "
+                                   f"reasoning_changed={len(turn.canonical.reasoning_changed)}"}
+        if turn.loss is not None:
+            out["x-kvgate-prefix-reuse"] = (f"cached={ctx.decision.expected_cached_tokens}; expected={turn.loss.best}; "
+                                            f"lost={turn.loss.lost}; cause={turn.loss.cause or 'none'}")
         return out
 
     async def _until_disconnect(self, request: Request, aw: Awaitable[T]) -> T:
@@ -388,7 +386,7 @@ class Proxy:
         # Most events are one token of output: decoding their JSON only to forward them unchanged costs
         # more CPU than the rest of the relay. Decode only what kvgate needs: the first output (TTFT),
         # usage, and the reply of a chat turn it keeps.
-        if ctx.ttft_s is not None and ctx.canonical is None and b'"usage"' not in ev.raw:
+        if ctx.ttft_s is not None and ctx.turn is None and b'"usage"' not in ev.raw:
             return ev.raw
         obj = ev.json()
         if obj is None:
@@ -403,7 +401,7 @@ class Proxy:
             self.pool.first_token(ctx.decision.worker, ctx.prefill_tokens, ctx.prompt.length)
         if ctx.response_id is None and isinstance(obj.get("id"), str):
             ctx.response_id = obj["id"]
-        if ctx.canonical is not None and isinstance(choices, list):
+        if ctx.turn is not None and isinstance(choices, list):
             for ch in choices:  # with n > 1 each choice streams in its own chunks: keep choice 0's
                 if isinstance(ch, dict) and ch.get("index", 0) == 0:
                     delta = ch.get("delta")
@@ -433,18 +431,19 @@ class Proxy:
             self.metrics.expected_cached.labels(self.policy.name).inc(ctx.decision.expected_cached_tokens)
         u = ctx.usage or Usage(0, 0, 0)
         lost, cause, detail, cache_lost, cache_cause = 0, None, "", 0, None
-        if ctx.loss is not None:
-            lost, cause, detail = ctx.loss.lost, ctx.loss.cause, ctx.loss.detail
+        loss = ctx.turn.loss if ctx.turn is not None else None
+        if loss is not None:
+            lost, cause, detail = loss.lost, loss.cause, loss.detail
             if lost and cause:
                 self.metrics.tokens_lost.labels(cause).inc(lost)
             if ctx.usage is not None:
-                cache_lost, cache_cause = explain_cache(ctx.loss.best, u.cached_tokens, ctx.chosen_matched_tokens,
+                cache_lost, cache_cause = explain_cache(loss.best, u.cached_tokens, ctx.chosen_matched_tokens,
                                                         ctx.best_matched_tokens)
                 if cache_lost and cache_cause:
                     self.metrics.tokens_lost.labels(cache_cause).inc(cache_lost)
-        if ctx.canonical is not None and ctx.reply.complete:
-            self.turns.completed(ctx.ident.conversation_id, ctx.canonical.messages, ctx.reply, ctx.response_id,
-                                 ctx.tools, ctx.model)
+        if ctx.turn is not None and ctx.reply.complete:
+            self.turns.completed(ctx.ident.conversation_id, ctx.turn.canonical.messages, ctx.reply, ctx.response_id,
+                                 ctx.turn.tools, ctx.model)
         turn = TurnRecord(wid, ctx.decision.reason, u.prompt_tokens, u.cached_tokens, u.completion_tokens,
                           ctx.ttft_s, ctx.decision.expected_cached_tokens, lost, cause, detail, cache_lost,
                           cache_cause)

@@ -59,6 +59,8 @@ class _Last:
     response_id: str | None = None
     tools: Any = None
     model: str = ""
+    chain: list[int] | None = None
+    """Tokens of the history plus reply, as the engine cached them (local tokenizer only)."""
 
 
 class UnknownResponse(LookupError):
@@ -105,22 +107,22 @@ class TurnKeeper:
 
         return canonicalize(messages, protocol, self.exact, conversation, truncate)
 
-    def explain(self, model: str, conversation: str, tokens: tuple[int, ...] | None, block_size: int,
-                canonical: Canonical, tools: Any) -> PromptLoss | None:
+    def explain(self, conversation: str, tokens: tuple[int, ...] | None, block_size: int,
+                canonical: Canonical) -> PromptLoss | None:
         last = self._last.get(conversation)
-        if last is None or tokens is None:
+        if last is None or last.chain is None or tokens is None:
             return None
-        chain = self._prompts.render_tokens(model, [*last.messages, last.reply], tools, f"{conversation}#chain")
-        if chain is None:
-            return None
-        return explain_prompt(chain, tokens, block_size, [*last.messages, last.reply], canonical.messages,
+        return explain_prompt(last.chain, tokens, block_size, [*last.messages, last.reply], canonical.messages,
                               canonical.reasoning_changed)
 
     def completed(self, conversation: str, messages: list[Message], reply: Reply, response_id: str | None = None,
                   tools: Any = None, model: str = "") -> None:
         msg = reply.message()
         self.exact.add(conversation, msg)
-        self._last[conversation] = _Last(messages, msg, response_id, tools, model)
+        # The chain the next request is compared with, rendered now: after the response, not before
+        # the next one's first token.
+        chain = self._prompts.render_tokens(model, [*messages, msg], tools, f"{conversation}#chain") if model else None
+        self._last[conversation] = _Last(messages, msg, response_id, tools, model, chain)
         self._last.move_to_end(conversation)
         while len(self._last) > self._max:
             self._last.popitem(last=False)
@@ -141,8 +143,9 @@ class TurnKeeper:
         otherwise HistoryConflict names the first differing message."""
         last = self._last[conversation]
         stored = [*last.messages, last.reply]
-        if (messages and messages[0].get("role") in ("system", "developer")) or (len(messages) > len(stored) and \
-                any(m.get("role") == "assistant" for m in messages[: len(stored)])):
+        resent = (bool(messages) and messages[0].get("role") in ("system", "developer")) or (
+            len(messages) > len(stored) and any(m.get("role") == "assistant" for m in messages[: len(stored)]))
+        if resent:
             for i, (old, new) in enumerate(zip(stored, messages, strict=False)):
                 if old == new:
                     continue

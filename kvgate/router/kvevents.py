@@ -140,6 +140,10 @@ class KvEventState:
     def workers(self) -> list[WorkerId]:
         return list(self._streams)
 
+    def follows(self, worker: WorkerId) -> bool:
+        """Whether this worker's KV events feed the index."""
+        return worker in self._streams
+
     def on_message(self, worker: WorkerId, seq: int, payload: bytes) -> int | None:
         """Apply one published batch. Returns a seq to replay from when a gap was detected."""
         st = self._streams.get(worker)
