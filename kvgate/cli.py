@@ -101,13 +101,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     b.add_argument("out", nargs="?")
     b.add_argument("--weights", action="store_true")
 
-    bn = sub.add_parser("bench", help="benchmarks: `kvgate bench mooncake [--quick]`, `kvgate bench swe`")
-    bn.add_argument("which", choices=["mooncake", "swe"])
+    bn = sub.add_parser("bench", help="benchmarks: `kvgate bench mooncake [--quick]`, `kvgate bench swe`, "
+                        "`kvgate bench tiering [--quick] [--no-real]`")
+    bn.add_argument("which", choices=["mooncake", "swe", "tiering"])
     bn.add_argument("--trace", help="Mooncake trace (default: ../shared/data/mooncake/conversation_trace.jsonl)")
     bn.add_argument("--out", default="bench-out")
     bn.add_argument("--quick", action="store_true", help="first 3000 requests only")
     bn.add_argument("--no-dynamo", action="store_true", help="skip Dynamo's replay")
     bn.add_argument("--no-peers", action="store_true", help="skip the real-process peer routers")
+    bn.add_argument("--no-real", action="store_true", help="tiering: skip the real vLLM + LMCache + Redis part")
 
     dv = sub.add_parser("dev", help="developer tools: `kvgate dev engines up|down|status|install`")
     dv.add_argument("tool", choices=["engines"])
@@ -135,6 +137,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             from kvgate.bench import swe
 
             swe.run(mooncake.DEFAULT_TRACE.parents[1] / "swe-agent-trajectories", Path(args.out))
+        elif args.which == "tiering":
+            from kvgate.bench import tiering
+
+            raise SystemExit(tiering.run(Path(args.out), args.quick, real=not args.no_real))
         else:
             mooncake.run(Path(args.trace) if args.trace else mooncake.DEFAULT_TRACE, Path(args.out), args.quick,
                          not args.no_dynamo, not args.no_peers)

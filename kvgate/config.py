@@ -19,7 +19,9 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from kvgate.gateway.prefill import PrefillParams
 from kvgate.router.cost import CostParams
+from kvgate.router.waits import WaitParams
 
 EngineKind = Literal["vllm", "sglang", "sim"]
 PolicyName = Literal["round_robin", "least_loaded", "session_affinity", "cost_model"]
@@ -39,6 +41,14 @@ class WorkerConfig(BaseModel):
     """ZMQ endpoint of the worker's KV events (tcp://host:port); ``auto`` asks its /kv_event_sources;
     none: kvgate routes on what it sent there (approximate mode)."""
     kv_replay: str | None = None
+    node: str = ""
+    """Workers on one node share its LMCache L1 (CPU tier); "" is a node of its own."""
+    lmcache_url: str | None = None
+    """HTTP API of the LMCache server this worker uses (multiprocess mode), for prefetches."""
+    lmcache_model: str | None = None
+    """The ``--model`` path the worker was started with: LMCache names its keys after it."""
+    kv_capacity_tokens: int = Field(0, ge=0)
+    """GPU KV capacity in tokens, to price reservations (0: from vllm:cache_config_info, else unpriced)."""
 
     @field_validator("url")
     @classmethod
@@ -118,6 +128,21 @@ class GatewaySettings(_YamlSettings):
     reasoning_policy: str = "keep"
     """What a completed turn's reasoning becomes in later requests: keep, drop or truncate:N."""
     tenant_reasoning_policies: dict[str, str] = Field(default_factory=dict)
+    tier_redis_url: str | None = None
+    """The Redis LMCache uses as L2; set to check a prompt's remote-tier residency before routing."""
+    tier_chunk_tokens: int = Field(256, gt=0)
+    """LMCache's chunk size."""
+    tier_probe_timeout_s: float = Field(0.05, gt=0)
+    tier_retry_s: float = Field(5.0, gt=0)
+    """After a tier error, treat it as empty for this long before trying again."""
+    cpu_tier_ttl_s: float = Field(300.0, gt=0)
+    """How long a node's LMCache L1 is assumed to keep the chunks kvgate sent it."""
+    waits: WaitParams = Field(default_factory=WaitParams)
+    """Tool-wait prediction and the reserve/release rule."""
+    prefill: PrefillParams = Field(default_factory=lambda: PrefillParams(enabled=False))
+    """Background prefill of the canonical branch (off unless enabled)."""
+    prefill_priority: int | None = None
+    """vLLM request priority for background prefills (needs --scheduling-policy priority); None sends none."""
     max_tracked_conversations: int = Field(10_000, ge=0)
     """Conversations whose prompt tokens and block hashes are kept for incremental hashing."""
 

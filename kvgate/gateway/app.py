@@ -27,6 +27,7 @@ from kvgate.gateway.prefix import PrefixKnowledge
 from kvgate.gateway.prompts import PromptBuilder
 from kvgate.gateway.proxy import Proxy
 from kvgate.gateway.telemetry import GatewayMetrics, PrefixCollector
+from kvgate.gateway.tiering import TierKeeper
 from kvgate.gateway.turns import TurnKeeper
 from kvgate.gateway.workers import WorkerPool
 from kvgate.kvstore.redis_sessions import RedisSessionStore, SessionStoreError
@@ -83,8 +84,10 @@ class Gateway:
         self.prompts = PromptBuilder(tokenizers, hashers, self._worker_tokenize, settings.max_tracked_conversations)
         self.turns = TurnKeeper(settings.protocols, settings.reasoning_policy, settings.tenant_reasoning_policies,
                                 self.prompts, settings.max_tracked_conversations)
+        self.tiers = TierKeeper(settings, self.pool, self.client, self.clock, self.metrics)
+        self.tiers.tokens_of = self.turns.chain_tokens
         self.proxy = Proxy(settings, self.pool, self.policy, self.sessions, self.metrics, self.client, self.clock,
-                           self.prompts, self.prefix, self.turns)
+                           self.prompts, self.prefix, self.turns, self.tiers)
         self.metrics.registry.register(PrefixCollector(self))
         self.draining = False
 
@@ -111,6 +114,7 @@ class Gateway:
         self.pool.start()
 
     async def stop(self) -> None:
+        await self.tiers.aclose()
         await self.pool.stop()
         await self.subscriber.stop()
         await self.client.aclose()
@@ -209,11 +213,17 @@ def create_app(settings: GatewaySettings, clock: Clock | None = None,
         log.info("cost model parameters changed: %s", cost)
         return JSONResponse({"policy": gw.policy.name, "cost": new.model_dump()})
 
+    @app.get("/admin/tiers")
+    async def tiers() -> dict[str, Any]:
+        """Tool-wait predictions, reservations, tier adapters' state and background prefill counters."""
+        return gw.tiers.snapshot()
+
     @app.get("/admin/workers")
     async def workers() -> dict[str, Any]:
         return {"workers": [{"id": w.id, "url": w.config.url, "model": w.config.model, "engine": w.config.engine,
                              "healthy": w.healthy, "in_flight": w.in_flight, "running": w.running,
-                             "waiting": w.waiting, "kv_usage": w.kv_usage, "last_error": w.last_error}
+                             "waiting": w.waiting, "kv_usage": w.kv_usage, "reserved_tokens": w.reserved,
+                             "node": w.config.node, "last_error": w.last_error}
                             for w in gw.pool.all()]}
 
     @app.get("/admin/conversations/{cid}/next-prefix")
@@ -244,7 +254,7 @@ def create_app(settings: GatewaySettings, clock: Clock | None = None,
         return JSONResponse(json.loads(json.dumps({
             "conversation_id": s.conversation_id, "id_source": s.id_source, "home_worker": s.home_worker,
             "last_activity": s.last_activity,
-            "turn_count": s.turn_count,
+            "turn_count": s.turn_count, "lifecycle": s.lifecycle.to_json(),
             "turns": [{"worker": t.worker, "reason": t.reason, "prompt_tokens": t.prompt_tokens,
                        "expected_cached_tokens": t.expected_cached_tokens, "cached_tokens": t.cached_tokens,
                        "completion_tokens": t.completion_tokens, "ttft_s": t.ttft_s,

@@ -25,12 +25,15 @@ from kvgate.config import GatewaySettings
 from kvgate.errors import ApiError, BadRequest, Conflict, NotFound, PayloadTooLarge, ServiceUnavailable
 from kvgate.gateway import identity
 from kvgate.gateway.history import Canonical
+from kvgate.gateway.lifecycle import Lifecycle
 from kvgate.gateway.loss import PromptLoss, explain_cache
 from kvgate.gateway.prefix import PrefixKnowledge
 from kvgate.gateway.prompts import Prompt, PromptBuilder
+from kvgate.gateway.protocols import ModelProtocol
 from kvgate.gateway.requests import KVGATE_FIELDS, validate_chat, validate_completion
 from kvgate.gateway.sse import SseEvent, SseSplitter, error_event
 from kvgate.gateway.telemetry import GatewayMetrics
+from kvgate.gateway.tiering import TierKeeper
 from kvgate.gateway.turns import HistoryConflict, Reply, TurnKeeper, UnknownResponse
 from kvgate.gateway.workers import WorkerPool
 from kvgate.kvstore.redis_sessions import SessionStoreError
@@ -84,6 +87,8 @@ class _Ctx:
     chosen_matched_tokens: int = 0
     best_matched_tokens: int = 0
     response_id: str | None = None
+    life: Lifecycle = field(default_factory=Lifecycle)
+    """The session's lifecycle with this request applied (written when the turn is recorded)."""
 
     @property
     def prefill_tokens(self) -> int:
@@ -94,6 +99,7 @@ class _Ctx:
 class _Turn:
     canonical: Canonical
     policy: str
+    protocol: ModelProtocol
     loss: PromptLoss | None = None
     tools: Any = None
 
@@ -101,7 +107,7 @@ class _Turn:
 class Proxy:
     def __init__(self, settings: GatewaySettings, pool: WorkerPool, policy: Policy, sessions: SessionStore,
                  metrics: GatewayMetrics, client: httpx.AsyncClient, clock: Clock, prompts: PromptBuilder,
-                 prefix: PrefixKnowledge, turns: TurnKeeper) -> None:
+                 prefix: PrefixKnowledge, turns: TurnKeeper, tiers: TierKeeper) -> None:
         self.settings = settings
         self.pool = pool
         self.policy = policy
@@ -112,6 +118,7 @@ class Proxy:
         self.prompts = prompts
         self.prefix = prefix
         self.turns = turns
+        self.tiers = tiers
 
     # -- entry ---------------------------------------------------------------------------------
     async def handle(self, request: Request, endpoint: Endpoint) -> Response:
@@ -162,7 +169,7 @@ class Proxy:
             protocol = self.turns.protocol(model, ident.tenant, requested)
             canonical = self.turns.canonical(protocol, body["messages"], ident.conversation_id, model)
             body = {**body, "messages": canonical.messages}
-            turn = _Turn(canonical, str(protocol.policy), tools=body.get("tools"))
+            turn = _Turn(canonical, str(protocol.policy), protocol, tools=body.get("tools"))
         prompt = await self.prompts.prepare(model, endpoint, body, ident.conversation_id)
         self.metrics.prompt_source.labels(prompt.source).inc()
         if turn is not None:
@@ -181,8 +188,13 @@ class Proxy:
                 hide_usage = True
         headers = {k: v for k, v in request.headers.items() if k in _FORWARD_HEADERS}
         payload = json.dumps(fwd).encode()
+        msgs = body.get("messages") if endpoint == "chat" else None
+        user_turn = isinstance(msgs, list) and bool(msgs) and isinstance(msgs[-1], dict) \
+            and msgs[-1].get("role") == "user"
+        life, force = self.tiers.arrived(ident.conversation_id, ident.tenant,
+                                         session.lifecycle if session else Lifecycle(), user_turn)
         return await self._route_and_send(request, endpoint, model, ident, session, prompt, payload, headers,
-                                          stream, hide_usage, turn)
+                                          stream, hide_usage, turn, life, force)
 
     async def _read_json(self, request: Request) -> dict[str, Any]:
         limit = self.settings.max_body_bytes
@@ -206,17 +218,27 @@ class Proxy:
     # -- routing and retries -------------------------------------------------------------------
     async def _route_and_send(self, request: Request, endpoint: Endpoint, model: str, ident: identity.Identity,
                               session: Session | None, prompt: Prompt, payload: bytes, headers: dict[str, str],
-                              stream: bool, hide_usage: bool, turn: _Turn | None = None) -> Response:
+                              stream: bool, hide_usage: bool, turn: _Turn | None = None,
+                              life: Lifecycle | None = None, force: WorkerId | None = None) -> Response:
         tried: set[WorkerId] = set()
         last_error = ""
         fleet = self.pool.snapshot(model)
         matched = self.prefix.match(model, prompt.hashes, [w.id for w in fleet.workers], self.clock.now())
+        bs = self.prefix.block_size(model)
+        cpu, remote = await self.tiers.tier_tokens(model, ident.conversation_id, prompt.tokens,
+                                                   max(matched.values(), default=0) * bs)
         for attempt in range(self.settings.max_attempts):
             rreq = RouteRequest(model=model, conversation_id=ident.conversation_id,
                                 home_worker=session.home_worker if session else None, exclude=frozenset(tried),
-                                prompt_tokens=prompt.length, matched_blocks=matched,
-                                block_size=self.prefix.block_size(model))
-            decision = self.policy.pick(rreq, self.pool.snapshot(model))
+                                prompt_tokens=prompt.length, matched_blocks=matched, block_size=bs,
+                                cpu_tokens=cpu, remote_tokens=remote)
+            forced = fleet.get(force) if force is not None and force not in tried else None
+            if forced is not None and forced.healthy:
+                # A background prefill of this prompt's prefix runs there: follow it.
+                decision: Decision | None = Decision(forced.id, "prefill_pending",
+                                                     matched.get(forced.id, 0) * bs)
+            else:
+                decision = self.policy.pick(rreq, self.pool.snapshot(model))
             if decision is None:
                 break
             if attempt > 0:
@@ -225,7 +247,8 @@ class Proxy:
             wid = decision.worker
             tried.add(wid)
             ctx = _Ctx(endpoint, model, ident, session, decision, self.clock.now(), prompt)
-            bs = self.prefix.block_size(model)
+            if life is not None:
+                ctx.life = life
             ctx.chosen_matched_tokens = matched.get(wid, 0) * bs
             ctx.best_matched_tokens = max(matched.values(), default=0) * bs
             ctx.turn = turn
@@ -256,6 +279,7 @@ class Proxy:
                                     media_type=upstream.headers.get("content-type"), headers=self._headers(ctx))
                 # The worker accepted the request: kvgate's view of its cache now includes this prompt.
                 self.prefix.routed(model, wid, prompt.hashes, self.clock.now())
+                self.tiers.routed(ident.conversation_id, wid, prompt.length)
                 if stream:
                     it = upstream.aiter_raw()
                     try:
@@ -444,6 +468,19 @@ class Proxy:
         if ctx.turn is not None and ctx.reply.complete:
             self.turns.completed(ctx.ident.conversation_id, ctx.turn.canonical.messages, ctx.reply, ctx.response_id,
                                  ctx.turn.tools, ctx.model)
+        cid = ctx.ident.conversation_id
+        self.tiers.settle_prefill(cid, ctx.usage.cached_tokens if ctx.usage else None)
+        tools = tuple(str((c.get("function") or {}).get("name") or "") for c in ctx.reply.calls.values())
+        life = ctx.life
+        try:
+            life = self.tiers.completed(cid, ctx.ident.tenant, ctx.model, ctx.life, wid, tools,
+                                        u.prompt_tokens + u.completion_tokens)
+        except Exception as exc:  # advisory: a lifecycle bug must not lose the turn record
+            log.warning("lifecycle of %s: %r", cid, exc)
+        if ctx.turn is not None and not tools and ctx.reply.complete:
+            self.tiers.maybe_prefill(cid, ctx.ident.tenant, ctx.model, wid, self.turns.chain_tokens(cid),
+                                     self.turns.next_turn_prefix(ctx.model, cid, ctx.turn.protocol),
+                                     self.prefix.block_size(ctx.model), self.settings.cost.p1_ms)
         turn = TurnRecord(wid, ctx.decision.reason, u.prompt_tokens, u.cached_tokens, u.completion_tokens,
                           ctx.ttft_s, ctx.decision.expected_cached_tokens, lost, cause, detail, cache_lost,
                           cache_cause)
@@ -451,7 +488,7 @@ class Proxy:
         ident = ctx.ident
 
         def add_turn(current: Session | None) -> Session:
-            return (current or Session(ident.conversation_id, ident.source)).with_turn(turn, now)
+            return (current or Session(ident.conversation_id, ident.source)).with_turn(turn, now, lifecycle=life)
 
         try:
             # Compare-and-set: another request of this conversation (maybe on another gateway) may

@@ -63,6 +63,17 @@ class GatewayMetrics:
                                 ["field"], registry=r)
         self.expected_cached = Counter("kvgate_expected_cached_tokens",
                                        "Cached tokens the routing decisions expected.", ["policy"], registry=r)
+        self.tool_waits = Counter("kvgate_tool_waits", "Tool waits that ended, by outcome against their "
+                                  "prediction (within, overrun) and reservations that lapsed.", ["outcome"], registry=r)
+        self.wait_plans = Counter("kvgate_wait_plans", "Tool waits by plan: reserve or release.", ["action"],
+                                  registry=r)
+        self.tier_lookups = Counter("kvgate_tier_lookups", "Tier residency lookups, by tier and whether it "
+                                    "answered (down: treated as empty).", ["tier", "state"], registry=r)
+        self.prefetches = Counter("kvgate_tier_prefetches", "LMCache prefetches asked for.", ["outcome"], registry=r)
+        self.prefill_decisions = Counter("kvgate_prefill_decisions", "Background prefill decisions by reason.",
+                                         ["reason"], registry=r)
+        self.prefills = Counter("kvgate_prefills", "Background prefills: issued, completed, failed, used, wasted.",
+                                ["outcome"], registry=r)
 
 
 class PrefixCollector(Collector):

@@ -159,6 +159,11 @@ class TurnKeeper:
             return [*stored, *messages[len(stored):]]
         return [*stored, *messages]
 
+    def chain_tokens(self, conversation: str) -> tuple[int, ...] | None:
+        """The tokens the worker cached for the conversation's last turn (history plus reply)."""
+        last = self._last.get(conversation)
+        return tuple(last.chain) if last and last.chain else None
+
     def last_model(self, conversation: str) -> str | None:
         last = self._last.get(conversation)
         return last.model if last else None

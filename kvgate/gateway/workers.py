@@ -44,6 +44,8 @@ class WorkerState:
     kv_usage: float = 0.0
     last_error: str = ""
     last_check: float = 0.0
+    reserved: int = 0
+    """KV tokens of sessions parked here on short tool waits (gateway/tiering.py)."""
 
     @property
     def id(self) -> WorkerId:
@@ -52,7 +54,8 @@ class WorkerState:
     def view(self) -> WorkerView:
         return WorkerView(self.id, self.config.model, self.healthy, self.in_flight, self.running,
                           self.waiting, self.kv_usage, self.pending_prefill, self.pending_requests,
-                          self.decode_requests, self.decode_tokens)
+                          self.decode_requests, self.decode_tokens, self.reserved,
+                          self.config.kv_capacity_tokens, self.config.node)
 
 
 class WorkerPool:
@@ -114,6 +117,11 @@ class WorkerPool:
         else:
             w.pending_prefill = max(0, w.pending_prefill - prefill_tokens)
             w.pending_requests = max(0, w.pending_requests - 1)
+
+    def reserve(self, wid: WorkerId, tokens: int) -> None:
+        w = self._workers.get(wid)
+        if w is not None:
+            w.reserved = max(0, w.reserved + tokens)
 
     def mark_failed(self, wid: WorkerId, error: str) -> None:
         w = self._workers[wid]

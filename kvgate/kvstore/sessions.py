@@ -11,6 +11,7 @@ from dataclasses import astuple, dataclass, field, replace
 from typing import Any, Protocol
 
 from kvgate.clock import Clock
+from kvgate.gateway.lifecycle import Lifecycle
 from kvgate.router.types import ConversationId, WorkerId
 
 
@@ -44,23 +45,27 @@ class Session:
     turn_count: int = 0
     version: int = 0
     """Bumped by every write; a store refuses a write based on a stale version (no lost updates)."""
+    lifecycle: Lifecycle = field(default_factory=Lifecycle)
+    """Where the session is between requests (gateway/lifecycle.py)."""
 
-    def with_turn(self, turn: TurnRecord, now: float, keep_turns: int = 64) -> Session:
+    def with_turn(self, turn: TurnRecord, now: float, keep_turns: int = 64, lifecycle: Lifecycle | None = None) -> Session:
         return replace(self, home_worker=turn.worker, last_activity=now,
-                       turns=(*self.turns, turn)[-keep_turns:], turn_count=self.turn_count + 1)
+                       turns=(*self.turns, turn)[-keep_turns:], turn_count=self.turn_count + 1,
+                       lifecycle=lifecycle or self.lifecycle)
 
     def to_json(self) -> dict[str, object]:
         return {"conversation_id": self.conversation_id, "id_source": self.id_source,
                 "home_worker": self.home_worker, "last_activity": self.last_activity,
                 "turns": [list(astuple(t)) for t in self.turns], "turn_count": self.turn_count,
-                "version": self.version}
+                "version": self.version, "lifecycle": self.lifecycle.to_json()}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Session:
         return cls(ConversationId(d["conversation_id"]), d["id_source"],
                    WorkerId(d["home_worker"]) if d.get("home_worker") else None, float(d["last_activity"]),
                    tuple(TurnRecord(*t) for t in d.get("turns", [])), int(d.get("turn_count", 0)),
-                   int(d.get("version", 0)))
+                   int(d.get("version", 0)),
+                   Lifecycle.from_json(d["lifecycle"]) if d.get("lifecycle") else Lifecycle())
 
 
 Updater = Callable[[Session | None], Session]

@@ -15,12 +15,23 @@ their chunks and ours into the same pass, and the pass takes longer for everyone
 ``externality_weight`` (0 gives the greedy newcomer-only choice; 1 minimises the fleet's mean TTFT,
 which measured 232 → see docs/routing.md for the numbers).
 
+Tiers (LMCache): beyond the GPU hit, the prompt's prefix may sit in the worker's node CPU tier (L1)
+or in the shared remote tier (L2, Redis). The engine loads those tokens instead of computing them, at
+``bytes_per_token / bandwidth`` (plus one round trip for the remote tier), so a worker with a CPU-tier
+copy can beat a cold one by the whole prefill, and any worker can reuse what Redis holds.
+
+A worker that hosts sessions parked on short tool waits (``reserved_tokens``) loses their KV when a
+newcomer needs more room than is free; the router charges the newcomer what those sessions would pay
+to get it back (``reservation_weight`` per token at recompute speed), so new work goes elsewhere first.
+
 The worker with the lowest cost wins; the conversation's home worker gets ``affinity_bonus_ms``
 as a tie-breaker prior, and a worker above ``(1 + load_epsilon)·mean + 1`` in-flight requests is left
 out (bounded load), so no estimate error can pile a fleet's traffic on one worker.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -49,6 +60,13 @@ class CostParams(BaseModel):
     externality_weight: float = Field(1.0, ge=0, description="weight of the delay a request imposes on the "
                                       "requests already waiting for their first token on a worker")
     load_epsilon: float = Field(1.0, ge=0, description="bounded load: (1+eps)*mean+1 in-flight at most")
+    kv_bytes_per_token: int = Field(131_072, gt=0, description="KV bytes per token (Llama-3-8B bf16: "
+                                    "2 x 32 layers x 8 KV heads x 128 dims x 2 bytes)")
+    cpu_load_gbps: float = Field(20.0, gt=0, description="host-to-device copy, GB/s (PCIe Gen4 x16 in practice)")
+    remote_load_gbps: float = Field(2.5, gt=0, description="remote tier to device, GB/s (25 GbE plus the copy)")
+    remote_rtt_ms: float = Field(1.0, ge=0, description="one round trip to the remote tier")
+    reservation_weight: float = Field(1.0, ge=0, description="price of evicting a parked session's KV, as a "
+                                      "fraction of recomputing it")
 
 
 
@@ -58,22 +76,50 @@ class CostModel:
     def __init__(self, params: CostParams | None = None) -> None:
         self.params = params or CostParams()
 
-    def cached_tokens(self, request: RouteRequest, w: WorkerView) -> int:
+    @staticmethod
+    def _limit(request: RouteRequest) -> int:
         bs = request.block_size
-        limit = max(0, (request.prompt_tokens - 1) // bs) * bs  # vLLM recomputes the last token
-        return min(request.matched_blocks.get(w.id, 0) * bs, limit)
+        return max(0, (request.prompt_tokens - 1) // bs) * bs  # vLLM recomputes the last token
+
+    def cached_tokens(self, request: RouteRequest, w: WorkerView) -> int:
+        """The prefix already in this worker's GPU KV."""
+        return min(request.matched_blocks.get(w.id, 0) * request.block_size, self._limit(request))
+
+    def reuse(self, request: RouteRequest, w: WorkerView) -> Reuse:
+        limit = self._limit(request)
+        gpu = self.cached_tokens(request, w)
+        cpu = max(gpu, min(limit, request.cpu_tokens.get(w.node or w.id, 0)))
+        remote = max(cpu, min(limit, request.remote_tokens))
+        return Reuse(gpu, cpu - gpu, remote - cpu)
+
+    def load_ms(self, r: Reuse) -> float:
+        p = self.params
+        ms = r.cpu * p.kv_bytes_per_token / (p.cpu_load_gbps * 1e6)
+        if r.remote:
+            ms += p.remote_rtt_ms + r.remote * p.kv_bytes_per_token / (p.remote_load_gbps * 1e6)
+        return ms
 
     def ttft_ms(self, request: RouteRequest, w: WorkerView) -> float:
         p = self.params
-        cached = self.cached_tokens(request, w)
-        mine = max(1, request.prompt_tokens - cached)
+        r = self.reuse(request, w)
+        mine = max(1, request.prompt_tokens - r.total)
         total = w.pending_prefill_tokens + mine
         full, rest = divmod(total, p.token_budget)
         passes = [p.token_budget] * full + ([rest] if rest else [])
         prefill = sum(p.p0_ms + p.p1_ms * t + p.p2_ms * t * t for t in passes)
-        attention = p.p_attn_ms * mine * cached / 1e6
+        attention = p.p_attn_ms * mine * r.total / 1e6
         decode = len(passes) * self.decode_step_ms(w) if w.decode_requests else 0.0
-        return prefill + attention + decode
+        return prefill + attention + decode + self.load_ms(r)
+
+    def reservation_ms(self, request: RouteRequest, w: WorkerView) -> float:
+        """What the sessions parked on ``w`` would pay to recompute the KV this request evicts."""
+        if w.reserved_tokens <= 0 or w.kv_capacity_tokens <= 0:
+            return 0.0
+        need = request.prompt_tokens - self.cached_tokens(request, w)
+        used = int(w.kv_usage * w.kv_capacity_tokens)
+        room = w.kv_capacity_tokens - used - w.reserved_tokens
+        evicted = min(w.reserved_tokens, max(0, need - room))
+        return self.params.reservation_weight * self.params.p1_ms * evicted
 
     def home_bonus_ms(self, request: RouteRequest, w: WorkerView) -> float:
         p = self.params
@@ -85,7 +131,7 @@ class CostModel:
         if w.pending_requests <= 0:
             return 0.0
         p = self.params
-        mine = max(1, request.prompt_tokens - self.cached_tokens(request, w))
+        mine = max(1, request.prompt_tokens - self.reuse(request, w).total)
         ahead_in_pass = w.pending_prefill_tokens % p.token_budget
         shared = min(mine, max(0, p.token_budget - ahead_in_pass))
         if shared == 0:
@@ -111,24 +157,48 @@ class CostModel:
         cap = (1 + self.params.load_epsilon) * mean + 1
         eligible = [w for w in workers if w.in_flight < cap] or workers
         scores = {w.id: self.ttft_ms(request, w) + self.params.externality_weight * self.delay_to_others_ms(request, w)
-                  for w in eligible}
+                  + self.reservation_ms(request, w) for w in eligible}
         home = request.home_worker
 
         def key(w: WorkerView) -> tuple[float, str]:
             return (scores[w.id] - (self.home_bonus_ms(request, w) if w.id == home else 0.0), w.id)
 
         best = min(eligible, key=key)
-        cached = self.cached_tokens(request, best)
-        best_cached = max(self.cached_tokens(request, w) for w in eligible)
+        r = self.reuse(request, best)
+        best_reuse = max(self.reuse(request, w).total for w in eligible)
         fastest = min(eligible, key=lambda w: (scores[w.id], w.id))
         if best.id == home and fastest.id != home:
             reason = "affinity"
-        elif best_cached == 0:
+        elif best_reuse == 0:
             reason = "cold_least_ttft"
-        elif cached == best_cached:
+        elif r.total == best_reuse:
             reason = "longest_prefix"
         else:
             reason = "load_over_prefix"
+        if r.tier in ("cpu", "remote") and reason != "cold_least_ttft":
+            reason += f"_{r.tier}"
         if len(eligible) < len(workers) and reason != "affinity":
             reason += "_bounded"
-        return Decision(worker=best.id, reason=reason, expected_cached_tokens=cached, scores=scores)
+        return Decision(worker=best.id, reason=reason, expected_cached_tokens=r.total, scores=scores,
+                        expected_loaded_tokens=r.cpu + r.remote, tier=r.tier)
+
+
+@dataclass(frozen=True, slots=True)
+class Reuse:
+    """A request's reusable prefix on one worker, split by where it comes from (tokens)."""
+
+    gpu: int
+    cpu: int
+    """Beyond the GPU hit, in the node's CPU tier."""
+    remote: int
+    """Beyond both, in the remote tier."""
+
+    @property
+    def total(self) -> int:
+        return self.gpu + self.cpu + self.remote
+
+    @property
+    def tier(self) -> str:
+        if self.total == 0:
+            return "none"
+        return max((self.gpu, "gpu"), (self.cpu, "cpu"), (self.remote, "remote"), key=lambda x: x[0])[1]

@@ -33,6 +33,13 @@ class WorkerView:
     """kvgate's requests on this worker that are past their first token."""
     decode_tokens: int = 0
     """Their total context (prompt + generated so far, estimated)."""
+    reserved_tokens: int = 0
+    """KV of sessions parked here while a short tool runs: cached but unreferenced, so a newcomer that
+    needs more room than is free evicts it (see ``router/waits.py``)."""
+    kv_capacity_tokens: int = 0
+    """The worker's GPU KV capacity in tokens (0 when unknown: reservations are then not priced)."""
+    node: str = ""
+    """Workers on one node share its CPU tier (LMCache L1); "" means a node of its own."""
 
     @property
     def load(self) -> int:
@@ -74,6 +81,10 @@ class RouteRequest:
     """Longest cached prefix of the prompt on each worker, in blocks (the index's answer, computed once
     per request so that every scorer reads the same result)."""
     block_size: int = 16
+    cpu_tokens: Mapping[str, int] = field(default_factory=dict)
+    """Longest prefix of the prompt in each node's CPU tier (LMCache L1), in tokens, keyed by node."""
+    remote_tokens: int = 0
+    """Longest prefix of the prompt in the shared remote tier (LMCache L2 in Redis), in tokens."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,3 +95,7 @@ class Decision:
     expected_cached_tokens: int = 0
     scores: Mapping[WorkerId, float] = field(default_factory=dict)
     """Per-worker score the policy compared (lower is better), for explanation and debugging."""
+    expected_loaded_tokens: int = 0
+    """Tokens the chosen worker is expected to load from a CPU or remote tier instead of computing."""
+    tier: str = "gpu"
+    """Where the longest part of the reused prefix comes from: gpu, cpu, remote, or none."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from kvgate.router.hashing import BlockHash, VllmHasher
 from kvgate.sim.blockpool import BlockPool, KVEvent
+from kvgate.sim.tiers import EngineTiers
 from kvgate.sim.timing import TimingProfile
 
 
@@ -45,6 +46,11 @@ class SimRequest:
     num_cached_blocks: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
+    background: bool = False
+    """A background prefill: scheduled only when no foreground request is prefilling (vLLM's priority
+    scheduling with the lowest priority; kvgate also sends it only to an idle queue)."""
+    external_tokens: int = 0
+    """Tokens loaded from the CPU or remote tier at admission (vLLM's external_kv_transfer)."""
 
     @property
     def known_len(self) -> int:
@@ -58,7 +64,9 @@ class SimRequest:
         p = len(self.prompt)
         if end <= p:
             return self.prompt[start:end]
-        return (self.prompt + self.output[: end - p])[start:end]
+        if start >= p:
+            return self.output[start - p : end - p]
+        return self.prompt[start:] + self.output[: end - p]
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,17 +99,27 @@ class EngineStats:
     preemptions: int = 0
     finished: int = 0
     computed_prefill_tokens: int = 0
+    external_tokens: int = 0
+    loaded_cpu_tokens: int = 0
+    loaded_remote_tokens: int = 0
+    load_ms: float = 0.0
 
 
 class EngineCore:
-    def __init__(self, profile: TimingProfile, hasher: VllmHasher, num_blocks: int | None = None) -> None:
+    def __init__(self, profile: TimingProfile, hasher: VllmHasher, num_blocks: int | None = None,
+                 tiers: EngineTiers | None = None, background_chunk: int = 2048) -> None:
         if hasher.block_size != profile.block_size:
             raise ValueError("hasher and profile disagree on block size")
+        if tiers is not None and tiers.chunk_tokens % profile.block_size:
+            raise ValueError("the tier chunk must be a whole number of blocks")
         self.profile = profile
         self.hasher = hasher
         self.block_size = profile.block_size
         self.pool = BlockPool(num_blocks or profile.num_blocks, profile.block_size)
+        self.tiers = tiers
+        self.background_chunk = background_chunk
         self.waiting: deque[SimRequest] = deque()
+        self.waiting_bg: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.stats = EngineStats()
         self._by_id: dict[str, SimRequest] = {}
@@ -113,7 +131,7 @@ class EngineCore:
         if req.id in self._by_id:
             raise ValueError(f"duplicate request id {req.id}")
         self._by_id[req.id] = req
-        self.waiting.append(req)
+        (self.waiting_bg if req.background else self.waiting).append(req)
         self.stats.prompt_tokens += len(req.prompt)
 
     def abort(self, req_id: str) -> bool:
@@ -121,7 +139,7 @@ class EngineCore:
         if req is None:
             return False
         if req.status is Status.WAITING:
-            self.waiting.remove(req)
+            (self.waiting_bg if req.background else self.waiting).remove(req)
         elif req.status is Status.RUNNING:
             self.running.remove(req)
             self.pool.free(req.blocks)
@@ -135,10 +153,10 @@ class EngineCore:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.waiting_bg)
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self.waiting_bg)
 
     def take_events(self) -> list[KVEvent]:
         return self.pool.take_events()
@@ -169,21 +187,37 @@ class EngineCore:
         req.num_computed = 0
         req.num_cached_blocks = 0
         req.status = Status.WAITING
-        self.waiting.appendleft(req)
+        (self.waiting_bg if req.background else self.waiting).appendleft(req)
         self.stats.preemptions += 1
+
+    def _victim(self) -> SimRequest:
+        """LIFO, background prefills first."""
+        for r in reversed(self.running):
+            if r.background:
+                return r
+        return self.running[-1]
+
+    def _foreground_prefilling(self) -> bool:
+        return bool(self.waiting) or any(not r.background and r.known_len - r.num_computed > 1 for r in self.running)
 
     def schedule(self) -> StepPlan:
         budget = self.profile.max_num_batched_tokens
         out: list[Scheduled] = []
+        load_ms = 0.0
+        fg_prefill = self._foreground_prefilling()
         # Running requests first, in admission order; preempt from the back (LIFO) when out of blocks.
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(budget, req.known_len - req.num_computed)
+            if req.background and fg_prefill:
+                i += 1
+                continue
+            num_new = min(budget, req.known_len - req.num_computed,
+                          self.background_chunk if req.background else budget)
             need = self._blocks_needed(req, req.num_computed + num_new)
             preempted_self = False
             while need > 0 and self.pool.num_free < need:
-                victim = self.running[-1]
+                victim = self._victim()
                 self._preempt(victim)
                 if victim is req:
                     preempted_self = True
@@ -197,33 +231,50 @@ class EngineCore:
             out.append(Scheduled(req, num_new, req.num_computed))
             budget -= num_new
             i += 1
-        # Then admit waiting requests, FCFS, while there is budget, room and memory.
-        while self.waiting and budget > 0 and len(self.running) < self.profile.max_num_seqs:
-            req = self.waiting[0]
+        # Then admit waiting requests, FCFS, while there is budget, room and memory; background
+        # prefills only when no foreground request waits or prefills.
+        while budget > 0 and len(self.running) < self.profile.max_num_seqs:
+            if self.waiting:
+                queue = self.waiting
+            elif self.waiting_bg and not fg_prefill:
+                queue = self.waiting_bg
+            else:
+                break
+            req = queue[0]
             max_hit_blocks = (req.known_len - 1) // self.block_size
             self._ensure_hashes(req, max_hit_blocks)
             hit = self.pool.longest_hit(req.hashes, max_hit_blocks)
             hit_tokens = len(hit) * self.block_size
-            num_new = min(budget, req.known_len - hit_tokens)
-            need = -(-(hit_tokens + num_new) // self.block_size) - len(hit)
+            ext, ext_ms, ext_keys = self._tier_hit(req, hit_tokens, max_hit_blocks)
+            done = hit_tokens + ext
+            num_new = min(budget, req.known_len - done, self.background_chunk if req.background else budget)
+            need = -(-(done + num_new) // self.block_size) - len(hit)
             # Hit blocks sitting in the free queue are not free for this request's allocation.
             free_after_touch = self.pool.num_free - sum(1 for b in hit if self.pool.is_free(b))
             if need > free_after_touch:
                 break
-            self.waiting.popleft()
+            queue.popleft()
             self.pool.touch(hit)
             got = self.pool.allocate(need) if need > 0 else []
             assert got is not None, "free count was checked"
             req.blocks = hit + got
             req.num_cached_blocks = len(hit)
-            req.num_computed = hit_tokens
+            req.num_computed = done
+            if ext:
+                assert self.tiers is not None
+                self.tiers.retrieve(ext_keys)
+                self._cache_full_blocks(req)  # loaded blocks are full and join the prefix cache
+                req.external_tokens += ext
+                self.stats.external_tokens += ext
+                self.stats.load_ms += ext_ms
+                load_ms += ext_ms
             if req.num_cached_tokens < 0:
-                req.num_cached_tokens = hit_tokens
+                req.num_cached_tokens = done
                 self.stats.prefix_cache_queries += req.known_len
                 self.stats.prefix_cache_hits += hit_tokens
             req.status = Status.RUNNING
             self.running.append(req)
-            out.append(Scheduled(req, num_new, hit_tokens))
+            out.append(Scheduled(req, num_new, done))
             budget -= num_new
         chunks = []
         dec_batch = 0
@@ -234,10 +285,30 @@ class EngineCore:
                 dec_ctx += s.context + 1
             else:
                 chunks.append((s.num_new, s.context))
-        return StepPlan(tuple(out), self.profile.step_ms(chunks, dec_batch, dec_ctx))
+        # A tier load is synchronous here: the step that admits the request waits for its KV.
+        return StepPlan(tuple(out), self.profile.step_ms(chunks, dec_batch, dec_ctx) + load_ms)
+
+    def _tier_hit(self, req: SimRequest, hit_tokens: int, max_hit_blocks: int) -> tuple[int, float, list[BlockHash]]:
+        """Tokens beyond the GPU hit that LMCache's tiers hold (chunk-aligned), the load time, and the
+        chunk keys served."""
+        t = self.tiers
+        if t is None:
+            return 0, 0.0, []
+        keys = t.chunk_keys(req.hashes[:max_hit_blocks], self.block_size)
+        sources = t.lookup(keys)
+        tier_tokens = len(sources) * t.chunk_tokens
+        if tier_tokens <= hit_tokens:
+            return 0, 0.0, []
+        first = hit_tokens // t.chunk_tokens  # the chunk the GPU hit ends in (loaded whole)
+        beyond = sources[first:]
+        ms = t.load_ms(beyond.count("cpu"), beyond.count("remote"))
+        self.stats.loaded_cpu_tokens += beyond.count("cpu") * t.chunk_tokens
+        self.stats.loaded_remote_tokens += beyond.count("remote") * t.chunk_tokens
+        return tier_tokens - hit_tokens, ms, keys[: len(sources)]
 
     def _cache_full_blocks(self, req: SimRequest) -> None:
-        """Blocks that became full (their KV computed) join the prefix cache, as vLLM caches them."""
+        """Blocks that became full (their KV computed) join the prefix cache, as vLLM caches them; with
+        tiers, every chunk completed is stored to LMCache (store-on-compute)."""
         bs = self.block_size
         full = req.num_computed // bs
         if full <= req.num_cached_blocks:
@@ -247,6 +318,10 @@ class EngineCore:
         self.pool.cache_blocks(req.blocks[a:full], req.hashes[a:full], req.hashes[a - 1] if a > 0 else None,
                                req.tokens(a * bs, full * bs), (req.cache_salt,) if req.cache_salt else None)
         req.num_cached_blocks = full
+        if self.tiers is not None:
+            per = self.tiers.chunk_tokens // bs
+            upto = full if self.tiers.save_decode else min(full, len(req.prompt) // bs)
+            self.tiers.store([req.hashes[i] for i in range(per - 1, upto, per) if i >= a])
 
     def finish_step(self, plan: StepPlan, now: float) -> list[TokenOutput]:
         outs: list[TokenOutput] = []
@@ -279,7 +354,7 @@ class EngineCore:
         Same tokens, timing and cached blocks as the step-by-step path; only the order in which block
         ids are taken within the burst differs (each request takes its new blocks together).
         """
-        if self.waiting or not self.running:
+        if self.waiting or self.waiting_bg or not self.running:
             return 0, 0.0
         bs = self.block_size
         for r in self.running:

@@ -1,0 +1,108 @@
+"""Background prefill of the canonical branch: the decision (pure) and its bookkeeping.
+
+When a turn ends, the next request will start with the canonical prefix P|A (this turn's reasoning
+dropped or truncated per the policy), which differs from what the worker cached (P|R|A) after the
+first dropped token. Prefilling P|A while the user reads moves that compute off the next turn's
+critical path. The rule, per completed turn:
+
+1. ``gain`` = tokens of P|A beyond its common prefix with the cached chain, in whole blocks. Nothing
+   dropped, or a gain under ``min_gain_tokens``: skip (the next turn recomputes it cheaply).
+2. The observed probability of another user turn, ``(continued + a) / (continued + ended + a + b)``
+   over the tenant's conversations (a Beta prior, default 3:1), must reach ``min_continue``: below it
+   most prefills would be wasted. Per tenant because one conversation says little about itself (turns
+   per session are close to geometric), while agent products differ a lot: an interactive assistant's
+   users keep talking, a one-shot task agent's session ends after its answer.
+3. The home worker must have no foreground request waiting for its first token and KV usage under
+   ``max_kv_usage``: a background prefill never queues ahead of a user and never evicts to make room.
+
+The reasoning/answer ratio enters through (1): the longer the dropped reasoning relative to the
+answer, the more of the cached chain is dead, but the gain is the answer and what follows it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class PrefillParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    enabled: bool = True
+    min_gain_tokens: int = Field(128, ge=0, description="skip when the canonical branch adds fewer tokens")
+    min_continue: float = Field(0.5, ge=0, le=1, description="skip below this probability of another turn")
+    prior_continue: int = Field(3, ge=0, description="Beta prior: pseudo-turns that continued")
+    prior_stop: int = Field(1, ge=0, description="Beta prior: pseudo-turns that ended the conversation")
+    max_kv_usage: float = Field(0.9, ge=0, le=1, description="skip when the worker's KV is fuller than this")
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillDecision:
+    issue: bool
+    reason: str
+    """issued, disabled, nothing_dropped, small_gain, unlikely_to_continue, worker_busy, kv_pressure."""
+    gain_tokens: int = 0
+    p_continue: float = 0.0
+
+
+def gain_tokens(cached_chain: tuple[int, ...] | list[int], next_prefix: tuple[int, ...] | list[int],
+                block_size: int) -> int:
+    """Tokens of ``next_prefix`` (whole blocks) that the cached chain does not already hold."""
+    n = min(len(cached_chain), len(next_prefix))
+    common = 0
+    while common < n and cached_chain[common] == next_prefix[common]:
+        common += 1
+    full = len(next_prefix) // block_size * block_size
+    return max(0, full - common // block_size * block_size)
+
+
+def p_continue(params: PrefillParams, continued: int, ended: int) -> float:
+    return (continued + params.prior_continue) / (continued + ended + params.prior_continue + params.prior_stop or 1)
+
+
+def decide(params: PrefillParams, gain: int, continued: int, ended: int, *, pending_requests: int,
+           kv_usage: float) -> PrefillDecision:
+    if not params.enabled:
+        return PrefillDecision(False, "disabled")
+    p = p_continue(params, continued, ended)
+    if gain <= 0:
+        return PrefillDecision(False, "nothing_dropped", 0, p)
+    if gain < params.min_gain_tokens:
+        return PrefillDecision(False, "small_gain", gain, p)
+    if p < params.min_continue:
+        return PrefillDecision(False, "unlikely_to_continue", gain, p)
+    if pending_requests > 0:
+        return PrefillDecision(False, "worker_busy", gain, p)
+    if kv_usage > params.max_kv_usage:
+        return PrefillDecision(False, "kv_pressure", gain, p)
+    return PrefillDecision(True, "issued", gain, p)
+
+
+@dataclass(slots=True)
+class PrefillStats:
+    """Counters the gateway exports and the benchmark prints."""
+
+    decided: dict[str, int]
+    issued: int = 0
+    completed: int = 0
+    failed: int = 0
+    used: int = 0
+    wasted: int = 0
+    skipped: int = 0
+    """Cancelled before they started: the next request arrived first."""
+    saved_ms: float = 0.0
+    """Prefill time the used ones took off next turns' critical path (cost-model estimate)."""
+
+    @classmethod
+    def new(cls) -> PrefillStats:
+        return cls({})
+
+    def count(self, d: PrefillDecision) -> None:
+        self.decided[d.reason] = self.decided.get(d.reason, 0) + 1
+        self.issued += d.issue
+
+    @property
+    def waste_fraction(self) -> float:
+        settled = self.used + self.wasted
+        return self.wasted / settled if settled else 0.0

@@ -1,0 +1,263 @@
+"""What happens to a session's KV between its requests: the gateway side of the lifecycle.
+
+- On a request: the lifecycle moves to ``generating``; a tool wait that just ended is measured and
+  fed back to the predictor; the session's reservation is released; a background prefill still
+  running pins the request to its worker; the tiers are asked how much of the prompt they hold.
+- On a response: ``awaiting_tool`` (with a plan: reserve the KV on the home worker, or release it and
+  prefetch it into the node's LMCache L1 shortly before the predicted resume) or ``awaiting_user``
+  (with, if the rule says so, a background prefill of the canonical branch).
+
+Everything here is advisory: a prediction, prefetch or prefill that fails is counted and logged, and
+the user's request goes on as if tiers were empty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from kvgate.clock import Clock
+from kvgate.config import GatewaySettings
+from kvgate.gateway.lifecycle import Event, Lifecycle, State
+from kvgate.gateway.prefill import PrefillStats, decide, gain_tokens
+from kvgate.gateway.telemetry import GatewayMetrics
+from kvgate.gateway.workers import WorkerPool
+from kvgate.kvstore.tiers import LMCacheControl, RemoteTierProbe
+from kvgate.router.residency import TierResidency
+from kvgate.router.types import WorkerId
+from kvgate.router.waits import WaitPredictor
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Pending:
+    worker: WorkerId
+    prefix_tokens: int
+    divergence: int
+    gain_ms: float
+    task: asyncio.Task[bool]
+    issued: float
+
+
+class TierKeeper:
+    def __init__(self, settings: GatewaySettings, pool: WorkerPool, client: httpx.AsyncClient, clock: Clock,
+                 metrics: GatewayMetrics) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.client = client
+        self.clock = clock
+        self.metrics = metrics
+        self.predictor = WaitPredictor(settings.waits)
+        self.residency = TierResidency(settings.cpu_tier_ttl_s, settings.tier_chunk_tokens, settings.max_sessions)
+        self.remote = (RemoteTierProbe(settings.tier_redis_url, clock.now, chunk_tokens=settings.tier_chunk_tokens,
+                                       timeout_s=settings.tier_probe_timeout_s, retry_s=settings.tier_retry_s)
+                       if settings.tier_redis_url else None)
+        self.lmcache = {w.id: LMCacheControl(w.lmcache_url, client, clock.now, retry_s=settings.tier_retry_s)
+                        for w in settings.workers if w.lmcache_url}
+        self.prefill = PrefillStats.new()
+        self._reserved: dict[str, tuple[WorkerId, int]] = {}
+        self._timers: dict[str, asyncio.Task[None]] = {}
+        self._prefills: OrderedDict[str, _Pending] = OrderedDict()
+        self._tenant_turns: dict[str, list[int]] = {}
+        """Per tenant: [user turns followed by another, conversations whose last turn went unanswered]."""
+
+    # -- a request arrives ---------------------------------------------------------------------
+    def arrived(self, conversation: str, tenant: str, life: Lifecycle, user_turn: bool) -> tuple[Lifecycle, WorkerId | None]:
+        """Apply the request to the lifecycle; returns the new lifecycle and a worker the request must go
+        to (a background prefill of its prefix is running there), if any."""
+        now = self.clock.now()
+        if life.state is State.AWAITING_TOOL and life.plan is not None:
+            over = self.predictor.observe(tenant, life.tools, now - life.since, life.plan.predicted_s)
+            self.metrics.tool_waits.labels("overrun" if over else "within").inc()
+        if life.state is State.AWAITING_USER and user_turn:
+            self._tenant_turns.setdefault(tenant, [0, 0])[0] += 1
+        self._unreserve(conversation)
+        timer = self._timers.pop(conversation, None)
+        if timer is not None:
+            timer.cancel()
+        force = None
+        pending = self._prefills.get(conversation)
+        if pending is not None and not pending.task.done():
+            force = pending.worker
+        return life.on(Event.REQUEST, now), force
+
+    async def tier_tokens(self, model: str, conversation: str, tokens: tuple[int, ...] | None,
+                          best_gpu_tokens: int) -> tuple[dict[str, int], int]:
+        """(CPU-tier tokens per node, remote-tier tokens) of the prompt. Asked only when no GPU holds
+        all but the last chunk of it: then the tiers cannot change the choice."""
+        if self.remote is None or tokens is None:
+            return {}, 0
+        if best_gpu_tokens >= len(tokens) - self.settings.tier_chunk_tokens:
+            return {}, 0
+        path = self._model_path(model)
+        remote = await self.remote.prefix_tokens(path, tokens)
+        self.metrics.tier_lookups.labels("remote", "up" if self.remote.breaker.up else "down").inc()
+        return self.residency.cpu_tokens(conversation, remote, self.clock.now()), remote
+
+    def routed(self, conversation: str, worker: WorkerId, prompt_tokens: int) -> None:
+        node = self.pool.get(worker).config.node or worker
+        self.residency.stored(conversation, node, prompt_tokens, self.clock.now())
+
+    def settle_prefill(self, conversation: str, cached_tokens: int | None) -> None:
+        """The conversation's next request got its usage: was the prefill's work reused?"""
+        p = self._prefills.pop(conversation, None)
+        if p is None:
+            return
+        if not p.task.done():
+            p.task.cancel()
+        if cached_tokens is not None and cached_tokens > p.divergence:
+            self.prefill.used += 1
+            self.prefill.saved_ms += p.gain_ms
+            self.metrics.prefills.labels("used").inc()
+        else:
+            self.prefill.wasted += 1
+            self.metrics.prefills.labels("wasted").inc()
+
+    # -- a response ended ----------------------------------------------------------------------
+    def completed(self, conversation: str, tenant: str, model: str, life: Lifecycle, worker: WorkerId,
+                  tools: tuple[str, ...], kv_tokens: int) -> Lifecycle:
+        now = self.clock.now()
+        if tools:
+            plan = self.predictor.plan(tenant, tools, now)
+            life = life.on(Event.TOOL_CALLS, now, tools=tools, plan=plan)
+            self.metrics.wait_plans.labels(plan.action).inc()
+            if plan.action == "reserve":
+                self._reserve(conversation, worker, kv_tokens, plan.deadline - now)
+            elif plan.prefetch_at is not None and worker in self.lmcache:
+                self._later(conversation, plan.prefetch_at - now, self._prefetch(conversation, model, worker))
+            return life
+        return life.on(Event.ANSWER, now)
+
+    def failed(self, life: Lifecycle) -> Lifecycle:
+        return life.on(Event.FAILED, self.clock.now())
+
+    def _reserve(self, conversation: str, worker: WorkerId, tokens: int, hold_s: float) -> None:
+        self._unreserve(conversation)
+        self._reserved[conversation] = (worker, tokens)
+        self.pool.reserve(worker, tokens)
+
+        async def lapse() -> None:
+            self._unreserve(conversation)
+            self.metrics.tool_waits.labels("reservation_lapsed").inc()
+
+        self._later(conversation, hold_s, lapse())
+
+    def _unreserve(self, conversation: str) -> None:
+        r = self._reserved.pop(conversation, None)
+        if r is not None:
+            self.pool.reserve(r[0], -r[1])
+
+    def _later(self, conversation: str, delay_s: float, coro: Any) -> None:
+        old = self._timers.pop(conversation, None)
+        if old is not None:
+            old.cancel()
+
+        async def run() -> None:
+            try:
+                await self.clock.sleep(max(0.0, delay_s))
+                await coro
+            except asyncio.CancelledError:
+                coro.close()
+                raise
+            except Exception as exc:  # advisory work: never let it escape
+                log.warning("deferred tier work for %s failed: %r", conversation, exc)
+            finally:
+                if self._timers.get(conversation) is task:
+                    del self._timers[conversation]
+
+        task = asyncio.get_running_loop().create_task(run(), name=f"tier:{conversation}")
+        self._timers[conversation] = task
+
+    # -- prefetch --------------------------------------------------------------------------------
+    tokens_of: Any = None
+    """``(conversation) -> tokens | None``: the conversation's cached chain (set by the gateway)."""
+
+    async def _prefetch(self, conversation: str, model: str, worker: WorkerId) -> None:
+        ctl = self.lmcache[worker]
+        tokens = self.tokens_of(conversation) if self.tokens_of else None
+        if not tokens:
+            return
+        rid = await ctl.prefetch(self._model_path(model), tokens)
+        self.metrics.prefetches.labels("submitted" if rid else "failed").inc()
+        if rid:
+            node = self.pool.get(worker).config.node or worker
+            self.residency.prefetched(conversation, node, len(tokens), self.clock.now())
+
+    # -- background prefill ------------------------------------------------------------------------
+    def maybe_prefill(self, conversation: str, tenant: str, model: str, worker: WorkerId, chain: tuple[int, ...] | None,
+                      prefix: list[int] | None, block_size: int, p1_ms: float) -> str:
+        params = self.settings.prefill
+        if not params.enabled:
+            return "disabled"
+        if chain is None or prefix is None:
+            self.metrics.prefill_decisions.labels("no_tokens").inc()
+            return "no_tokens"
+        w = self.pool.get(worker)
+        gain = gain_tokens(chain, prefix, block_size)
+        cont, ended = self._tenant_turns.get(tenant, [0, 0])
+        d = decide(params, gain, cont, ended, pending_requests=w.pending_requests, kv_usage=w.kv_usage)
+        self.prefill.count(d)
+        self.metrics.prefill_decisions.labels(d.reason).inc()
+        if not d.issue:
+            return d.reason
+        self.settle_prefill(conversation, None)  # an older one nobody used
+        n = len(chain)
+        divergence = next((i for i in range(min(n, len(prefix))) if chain[i] != prefix[i]), min(n, len(prefix)))
+        task = asyncio.get_running_loop().create_task(self._send_prefill(model, w.config.url, prefix),
+                                                      name=f"prefill:{conversation}")
+        self._prefills[conversation] = _Pending(worker, len(prefix), divergence, p1_ms * gain, task, self.clock.now())
+        self._prefills.move_to_end(conversation)
+        while len(self._prefills) > self.settings.max_sessions:
+            old_cid, _ = next(iter(self._prefills.items()))
+            self.settle_prefill(old_cid, None)
+            self._tenant_turns.setdefault(tenant, [0, 0])[1] += 1
+        self.metrics.prefills.labels("issued").inc()
+        return d.reason
+
+    async def _send_prefill(self, model: str, url: str, prefix: list[int]) -> bool:
+        body: dict[str, Any] = {"model": model, "prompt": prefix, "max_tokens": 1, "temperature": 0}
+        if self.settings.prefill_priority is not None:
+            body["priority"] = self.settings.prefill_priority
+        try:
+            r = await self.client.post(f"{url}/v1/completions", json=body)
+            ok = r.status_code == 200
+        except httpx.HTTPError as exc:
+            log.warning("background prefill failed: %r", exc)
+            ok = False
+        self.prefill.completed += ok
+        self.prefill.failed += not ok
+        self.metrics.prefills.labels("completed" if ok else "failed").inc()
+        return ok
+
+    def _model_path(self, model: str) -> str:
+        for w in self.settings.workers:
+            if w.model == model and w.lmcache_model:
+                return w.lmcache_model
+        return model
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"waits": self.predictor.snapshot(), "reserved": {c: [w, n] for c, (w, n) in self._reserved.items()},
+                "remote_tier": None if self.remote is None else {"up": self.remote.breaker.up,
+                                                                 "errors": self.remote.breaker.errors,
+                                                                 "lookups": self.remote.lookups},
+                "lmcache": {w: {"up": c.breaker.up, "errors": c.breaker.errors, "prefetches": c.prefetches}
+                            for w, c in self.lmcache.items()},
+                "prefill": {"issued": self.prefill.issued, "completed": self.prefill.completed,
+                            "failed": self.prefill.failed, "used": self.prefill.used, "wasted": self.prefill.wasted,
+                            "saved_ms": round(self.prefill.saved_ms, 1), "decisions": dict(self.prefill.decided)}}
+
+    async def aclose(self) -> None:
+        for t in [*self._timers.values(), *(p.task for p in self._prefills.values())]:
+            t.cancel()
+        for t in [*self._timers.values(), *(p.task for p in self._prefills.values())]:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        if self.remote is not None:
+            await self.remote.aclose()

@@ -1,0 +1,126 @@
+"""LMCache tier control at the edge: what Redis (LMCache's L2) holds of a prompt, and warming a node's
+L1 from it. Both are advisory: an error makes the tier look empty (counted), never fails a request,
+and after ``retry_s`` the adapter tries again, so it recovers when Redis or LMCache return.
+
+Keys: kvgate computes LMCache's own keys for the prompt's tokens (``router/hashing.LMCacheKeys``, checked
+key for key against a live LMCache 0.5.6) and asks Redis with one pipelined ``EXISTS`` per chunk; the
+answer is the longest run of present chunks from the start, in tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import httpx
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from kvgate.router.hashing import LMCacheKeys
+
+log = logging.getLogger(__name__)
+
+
+class _Breaker:
+    """After a failure, skip calls for ``retry_s`` (a down tier costs one timeout, not one per request)."""
+
+    def __init__(self, now: Callable[[], float], retry_s: float) -> None:
+        self._now = now
+        self._retry_s = retry_s
+        self._until = 0.0
+        self.errors = 0
+        self.up = True
+
+    def open(self) -> bool:
+        return self._now() >= self._until
+
+    def failed(self, what: str, exc: BaseException) -> None:
+        self.errors += 1
+        if self.up:
+            log.warning("%s unreachable, treating the tier as empty: %s", what, exc)
+        self.up = False
+        self._until = self._now() + self._retry_s
+
+    def ok(self) -> None:
+        if not self.up:
+            log.info("tier back")
+        self.up = True
+
+
+class RemoteTierProbe:
+    def __init__(self, url: str, now: Callable[[], float], *, chunk_tokens: int = 256, timeout_s: float = 0.05,
+                 retry_s: float = 5.0, max_chunks: int = 2048) -> None:
+        self._redis = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.chunk_tokens = chunk_tokens
+        self.max_chunks = max_chunks
+        self.breaker = _Breaker(now, retry_s)
+        self.lookups = 0
+
+    async def prefix_tokens(self, model_path: str, tokens: Sequence[int]) -> int:
+        """Tokens of ``tokens``' prefix whose chunks LMCache holds in Redis (0 when unknown)."""
+        if not self.breaker.open() or len(tokens) < self.chunk_tokens:
+            return 0
+        keys = LMCacheKeys(model_path, self.chunk_tokens).redis_keys(tokens[: self.max_chunks * self.chunk_tokens])
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for k in keys:
+                    pipe.exists(k)
+                found = await pipe.execute()
+        except (RedisError, OSError, TimeoutError) as exc:
+            self.breaker.failed("remote tier (Redis)", exc)
+            return 0
+        self.breaker.ok()
+        self.lookups += 1
+        n = 0
+        for f in found:
+            if not f:
+                break
+            n += 1
+        return n * self.chunk_tokens
+
+    async def aclose(self) -> None:
+        await self._redis.aclose()
+
+
+class LMCacheControl:
+    """One LMCache server's HTTP API (multiprocess mode): warm its L1 from L2 for a token sequence
+    (``POST /cache/prefetches``; LMCache hashes the tokens itself and keeps the chunks in L1)."""
+
+    def __init__(self, url: str, client: httpx.AsyncClient, now: Callable[[], float], *, timeout_s: float = 2.0,
+                 retry_s: float = 5.0) -> None:
+        self.url = url.rstrip("/")
+        self._client = client
+        self._timeout = timeout_s
+        self.breaker = _Breaker(now, retry_s)
+        self.prefetches = 0
+
+    async def prefetch(self, model_path: str, tokens: Sequence[int]) -> str | None:
+        """Submit a prefetch; returns LMCache's request id, or None (nothing to fetch, or unreachable)."""
+        if not self.breaker.open():
+            return None
+        try:
+            r = await self._client.post(f"{self.url}/cache/prefetches", timeout=self._timeout, json={
+                "model_name": model_path, "world_size": 1, "token_ids": list(tokens), "cache_salt": "",
+                "source_tier": "l2", "target_tier": "l1"})
+            r.raise_for_status()
+            body = r.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            self.breaker.failed(f"LMCache at {self.url}", exc)
+            return None
+        self.breaker.ok()
+        self.prefetches += 1
+        rid = body.get("request_id") if isinstance(body, dict) else None
+        return rid if isinstance(rid, str) else None
+
+    async def prefetch_result(self, request_id: str) -> tuple[int, int] | None:
+        """(found chunks, total chunks) once LMCache finished the prefetch; None while pending."""
+        try:
+            r = await self._client.get(f"{self.url}/cache/prefetches/{request_id}", timeout=self._timeout)
+            r.raise_for_status()
+            body = r.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            self.breaker.failed(f"LMCache at {self.url}", exc)
+            return None
+        if body.get("status") != "completed":
+            return None
+        return int(body.get("found_keys", 0)), int(body.get("total_keys", 0))

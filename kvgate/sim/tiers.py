@@ -1,0 +1,112 @@
+"""LMCache's tiers as the simulated engine sees them: a CPU pool per node (L1) and a shared remote pool
+(L2, Redis), both LRU over 256-token chunks.
+
+A chunk is named by the engine's block hash at its last block, which names the whole prefix up to it
+(LMCache's own keys are a rolling hash over the same prefix, see ``router/hashing.LMCacheKeys``; the
+identity is the same, only the function differs). As LMCache 0.5.6's multiprocess server does
+(docs/tiering.md has the source lines): store-on-compute writes every complete chunk of a *prompt* to
+L1 and at once through to L2 (generated tokens only with ``save_decode_cache``); a lookup walks chunks
+from the start and stops at the first one neither tier holds; what a lookup loads from L2 is *not*
+kept in L1 — only an explicit prefetch (``POST /cache/prefetches``) retains it there.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from kvgate.router.hashing import BlockHash
+
+
+class TierPool:
+    """An LRU of chunk keys; ``capacity`` in chunks, None for unbounded."""
+
+    def __init__(self, name: str, capacity: int | None) -> None:
+        if capacity is not None and capacity < 1:
+            raise ValueError("a tier holds at least one chunk")
+        self.name = name
+        self.capacity = capacity
+        self._keys: OrderedDict[BlockHash, None] = OrderedDict()
+        self.stored = 0
+        self.evicted = 0
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, key: BlockHash) -> bool:
+        return key in self._keys
+
+    def put(self, keys: Iterable[BlockHash]) -> None:
+        for k in keys:
+            if k in self._keys:
+                self._keys.move_to_end(k)
+                continue
+            self._keys[k] = None
+            self.stored += 1
+            if self.capacity is not None and len(self._keys) > self.capacity:
+                self._keys.popitem(last=False)
+                self.evicted += 1
+
+    def touch(self, keys: Iterable[BlockHash]) -> None:
+        for k in keys:
+            if k in self._keys:
+                self._keys.move_to_end(k)
+
+
+@dataclass(slots=True)
+class EngineTiers:
+    """One engine's view: its node's L1, the fleet's L2 (optional), and what a load costs."""
+
+    cpu: TierPool
+    remote: TierPool | None
+    chunk_tokens: int = 256
+    kv_bytes_per_token: int = 131_072
+    cpu_gbps: float = 20.0
+    remote_gbps: float = 2.5
+    remote_rtt_ms: float = 1.0
+    save_decode: bool = False
+    """LMCache's ``save_decode_cache``: also store chunks of generated tokens."""
+
+    def chunk_keys(self, hashes: Sequence[BlockHash], block_size: int) -> list[BlockHash]:
+        """The key of every full chunk covered by ``hashes`` (one per block)."""
+        per = self.chunk_tokens // block_size
+        return [hashes[i] for i in range(per - 1, len(hashes), per)]
+
+    def lookup(self, keys: Sequence[BlockHash]) -> list[str]:
+        """Where each leading chunk is (``cpu`` or ``remote``), up to the first one no tier holds."""
+        out: list[str] = []
+        for k in keys:
+            if k in self.cpu:
+                out.append("cpu")
+            elif self.remote is not None and k in self.remote:
+                out.append("remote")
+            else:
+                break
+        return out
+
+    def retrieve(self, keys: Sequence[BlockHash]) -> None:
+        """A load: refresh what L1 served and what L2 served, without copying L2's into L1."""
+        self.cpu.touch(keys)
+        if self.remote is not None:
+            self.remote.touch(keys)
+
+    def prefetch(self, keys: Sequence[BlockHash]) -> int:
+        """Warm L1 from L2 (kept there); returns the chunks copied."""
+        if self.remote is None:
+            return 0
+        missing = [k for k in keys if k not in self.cpu and k in self.remote]
+        self.cpu.put(missing)
+        return len(missing)
+
+    def store(self, keys: Sequence[BlockHash]) -> None:
+        self.cpu.put(keys)
+        if self.remote is not None:
+            self.remote.put(keys)
+
+    def load_ms(self, cpu_chunks: int, remote_chunks: int) -> float:
+        ms = cpu_chunks * self.chunk_tokens * self.kv_bytes_per_token / (self.cpu_gbps * 1e6)
+        if remote_chunks:
+            ms += self.remote_rtt_ms + remote_chunks * self.chunk_tokens * self.kv_bytes_per_token / (
+                self.remote_gbps * 1e6)
+        return ms
