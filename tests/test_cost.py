@@ -1,3 +1,5 @@
+from typing import Any
+
 import pytest
 from pydantic import ValidationError
 
@@ -8,7 +10,7 @@ P = CostParams(p0_ms=10, p1_ms=0.1, p2_ms=0, decode_ms=5, decode_ms_per_request=
                affinity_bonus_ms=1, load_epsilon=10, externality_weight=0)
 
 
-def w(i: int, **kw: int) -> WorkerView:
+def w(i: int, **kw: Any) -> WorkerView:
     return WorkerView(WorkerId(f"w{i}"), "m", True, kw.pop("in_flight", 0), **kw)
 
 
@@ -71,3 +73,53 @@ def test_params_are_validated() -> None:
         CostParams(token_budget=0)
     with pytest.raises(ValidationError):
         CostParams(unknown_knob=1)  # type: ignore[call-arg]
+
+
+# -- tiers and reservations -------------------------------------------------------------------------
+T = P.model_copy(update={"kv_bytes_per_token": 100_000, "cpu_load_gbps": 10.0, "remote_load_gbps": 1.0,
+                         "remote_rtt_ms": 2.0})
+
+
+def tier_req(prompt: int, cpu: dict[str, int] | None = None, remote: int = 0,
+             matched: dict[str, int] | None = None) -> RouteRequest:
+    return RouteRequest("m", ConversationId("c"), None, prompt_tokens=prompt, block_size=16,
+                        matched_blocks={WorkerId(k): v for k, v in (matched or {}).items()},
+                        cpu_tokens=cpu or {}, remote_tokens=remote)
+
+
+def test_tier_loads_are_priced_by_bandwidth() -> None:
+    m = CostModel(T)
+    r = m.reuse(tier_req(3000, {"n0": 2048}, remote=2560), w(0, node="n0"))
+    assert (r.gpu, r.cpu, r.remote, r.tier) == (0, 2048, 512, "cpu")
+    # 2048 tok x 100 kB at 10 GB/s = 20.48 ms; 512 tok at 1 GB/s = 51.2 ms + 2 ms round trip.
+    assert m.load_ms(r) == pytest.approx(20.48 + 2 + 51.2)
+    # What no tier covers is computed: 440 tokens in one pass.
+    assert m.ttft_ms(tier_req(3000, {"n0": 2048}, remote=2560), w(0, node="n0")) == pytest.approx(
+        10 + 0.1 * 440 + 73.68)
+
+
+def test_the_node_with_the_cpu_copy_wins_and_says_so() -> None:
+    fleet = FleetView((w(0, node="a"), w(1, node="b")))
+    d = CostModel(T).pick(tier_req(4000, {"b": 3840}, remote=3840), fleet)
+    assert d is not None and d.worker == "w1" and d.tier == "cpu" and d.reason == "longest_prefix_cpu"
+    assert d.expected_cached_tokens == 3840 and d.expected_loaded_tokens == 3840
+
+
+def test_remote_tier_serves_any_worker_instead_of_recompute() -> None:
+    m = CostModel(T)
+    cold = m.ttft_ms(tier_req(4000), w(0))
+    remote = m.ttft_ms(tier_req(4000, remote=3840), w(0))
+    assert remote < cold  # 3,840 tokens at 1 GB/s (384 ms) beat computing them (10 + 400 ms)
+    d = m.pick(tier_req(4000, remote=3840), FleetView((w(0), w(1))))
+    assert d is not None and d.tier == "remote" and d.reason.endswith("_remote")
+
+
+def test_reserved_kv_steers_newcomers_elsewhere() -> None:
+    parked = w(0, reserved_tokens=60_000, kv_capacity_tokens=100_000)
+    free = w(1, kv_capacity_tokens=100_000)
+    m = CostModel(T)
+    # 50k tokens fit in the 40k free only by evicting 10k of the parked sessions' KV.
+    assert m.reservation_ms(tier_req(50_000), parked) == pytest.approx(0.1 * 10_000)
+    assert m.reservation_ms(tier_req(30_000), parked) == 0
+    d = m.pick(tier_req(50_000), FleetView((parked, free)))
+    assert d is not None and d.worker == "w1"

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from kvgate.bench.agents import SessionScript, canonical_history, next_turn_prefix
 from kvgate.gateway.lifecycle import Event, Lifecycle, State
-from kvgate.gateway.prefill import PrefillParams, PrefillStats, decide, gain_tokens
+from kvgate.gateway.prefill import ContinueStats, PrefillParams, PrefillStats, decide, gain_tokens
 from kvgate.router.cost import CostModel, CostParams
 from kvgate.router.hashing import BlockHash, VllmHasher, event_int
 from kvgate.router.index import PrefixIndex
@@ -95,6 +95,8 @@ class _Session:
     """(worker, tokens) counted as reserved while a short tool wait lasts."""
     continued: int = 0
     ended: int = 0
+    answer_size: int = 0
+    """Tokens of the canonical prefix after the last answer (the size its continuation is counted under)."""
     prefill: _Prefill | None = None
 
 
@@ -117,6 +119,12 @@ class _Step:
 
 
 @dataclass(frozen=True, slots=True)
+class _Settle:
+    session: _Session
+    next_round: int
+
+
+@dataclass(frozen=True, slots=True)
 class _Timer:
     session: _Session
     plan: WaitPlan
@@ -125,7 +133,8 @@ class _Timer:
 class AgentFleet:
     def __init__(self, profile: TimingProfile, n_workers: int, workers_per_node: int, mode: str, *,
                  prefill: bool = False, tiers: TierConfig | None = None, waits: WaitParams | None = None,
-                 prefill_params: PrefillParams | None = None, hash_seed: str = "0") -> None:
+                 prefill_params: PrefillParams | None = None, continues: ContinueStats | None = None,
+                 hash_seed: str = "0") -> None:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
         self.profile = profile
@@ -143,6 +152,7 @@ class AgentFleet:
                 tc.remote_gbps, tc.remote_rtt_ms))
             for i in range(n_workers)]
         self.index = PrefixIndex()
+        self.max_model_len = (profile.num_blocks - 1) * profile.block_size
         params: CostParams = profile.cost_params(kv_bytes_per_token=tc.kv_bytes_per_token, cpu_load_gbps=tc.cpu_gbps,
                                                  remote_load_gbps=tc.remote_gbps, remote_rtt_ms=tc.remote_rtt_ms)
         self.policy = CostModel(params)
@@ -162,8 +172,9 @@ class AgentFleet:
         self.residency = TierResidency(chunk_tokens=tc.chunk_tokens)
         self.now = 0.0
         self.bg_computed = 0
-        self.tenant_turns: dict[str, list[int]] = {}
-        """Per tenant (agent type): [user turns that were followed by another, that ended a session]."""
+        self.continues = continues or ContinueStats(self.prefill_params)
+        self.waste = {"ended": 0, "not_reused": 0}
+        """Per tenant (agent type) and size: answers followed by another user turn, or not."""
 
     # -- what kvgate knows -------------------------------------------------------------------------
     def _apply_events(self, w: int, events: list[KVEvent]) -> None:
@@ -294,9 +305,14 @@ class AgentFleet:
             release(s)
             if r.kind == "user" and s.next_round > 0:
                 s.continued += 1
-                self.tenant_turns.setdefault(s.script.agent_type, [0, 0])[0] += 1
+                self.continues.continued(s.script.agent_type, s.answer_size)
             s.life = s.life.on(Event.REQUEST, now)
             tokens = canonical_history(s.script, s.next_round)
+            if len(tokens) + len(r.reasoning) + len(r.visible) > self.max_model_len:
+                # vLLM refuses to start with a max_model_len its KV cannot hold; a workload that needs more
+                # is a configuration error, not a request to drop silently.
+                raise ValueError(f"{s.script.id} needs {len(tokens) + len(r.reasoning) + len(r.visible)} tokens; "
+                                 f"a worker holds {self.max_model_len}")
             hashes, common = self._hashes(s, tokens)
             force = None
             pf = s.prefill
@@ -312,9 +328,11 @@ class AgentFleet:
                     s.prefill = None
             gpu_home = 0
             if s.home is not None:
-                gpu_home = self.index.match([event_int(h) for h in hashes]).get(self.ids[s.home], 0) * self.profile.block_size
+                held = self.index.match([event_int(h) for h in hashes]).get(self.ids[s.home], 0)
+                gpu_home = held * self.profile.block_size
             w, expected = self._route(s, len(tokens), hashes, force)
-            res = TurnResult(s.script.id, s.next_round, "first" if s.next_round == 0 else r.kind, s.script.heavy, w, now,
+            kind = "first" if s.next_round == 0 else r.kind
+            res = TurnResult(s.script.id, s.next_round, kind, s.script.heavy, w, now,
                              len(tokens), len(tokens) - common, expected, gpu_resident=gpu_home)
             results.append(res)
             rid = f"{s.script.id}/{s.next_round}"
@@ -348,6 +366,7 @@ class AgentFleet:
                     self.prefill_stats.saved_ms += pf.gain_ms
                 else:
                     self.prefill_stats.wasted += 1
+                    self.waste["not_reused"] += 1
                 s.prefill = None
 
         def finished(sr: SimRequest, w: int, now: float) -> None:
@@ -357,6 +376,7 @@ class AgentFleet:
                 self.prefill_stats.completed += 1
                 if s.prefill is not None and s.prefill.req is sr and s.prefill.orphan:
                     self.prefill_stats.wasted += 1
+                    self.waste["ended"] += 1
                     s.prefill = None
                 kick(w, now)
                 return
@@ -376,14 +396,13 @@ class AgentFleet:
                     self._park(s, w, plan, now, push)
             else:
                 s.life = s.life.on(Event.ANSWER, now)
+                s.answer_size = len(next_turn_prefix(s.script, res.round))
                 if self.use_prefill:  # the gateway cannot know whether the user will come back
                     self._maybe_prefill(s, res.round, w, by_req, now)
                     kick(w, now)
-                if not more:
-                    s.ended += 1
-                    self.tenant_turns.setdefault(s.script.agent_type, [0, 0])[1] += 1
-                    if s.prefill is not None:  # settled when its prefill ends: nobody will use it
-                        s.prefill.orphan = True
+                # Whether the user comes back is learned as the gateway learns it: not at all for
+                # settle_s after the answer means the conversation ended.
+                push(now + self.prefill_params.settle_s, "settle", _Settle(s, s.next_round))
             if more:
                 push(now + s.script.rounds[s.next_round].wait_s, "arrive", s)
 
@@ -404,6 +423,18 @@ class AgentFleet:
                     release(s)
                 elif kind == "prefetch" and s.life.state is State.AWAITING_TOOL and s.home is not None:
                     self._prefetch(s)
+            elif isinstance(payload, _Settle):
+                s = payload.session
+                if s.next_round == payload.next_round:  # nothing since the answer
+                    s.ended += 1
+                    self.continues.ended(s.script.agent_type, s.answer_size)
+                    if s.prefill is not None:
+                        if s.prefill.req.finish_time is None:
+                            s.prefill.orphan = True  # settled when it ends
+                        else:
+                            self.prefill_stats.wasted += 1
+                            self.waste["ended"] += 1
+                            s.prefill = None
             elif isinstance(payload, _Step):
                 w = payload.worker
                 if payload.plan is not None:
@@ -415,10 +446,14 @@ class AgentFleet:
                         if o.finished:
                             finished(o.request, w, now)
                 start(w, now)
+        stuck = [r for r in results if r.finish is None]
+        if stuck or any(e.has_work() for e in self.engines if any(not q.background for q in e.waiting)):
+            raise RuntimeError(f"{len(stuck)} requests never finished (a prompt larger than a worker's KV?)")
         return results
 
     # -- lifecycle ---------------------------------------------------------------------------------
-    def _park(self, s: _Session, w: int, plan: WaitPlan, now: float, push: Callable[[float, str, object], None]) -> None:
+    def _park(self, s: _Session, w: int, plan: WaitPlan, now: float,
+              push: Callable[[float, str, object], None]) -> None:
         if plan.action == "reserve":
             n = len(s.chain)
             s.reserved = (w, n)
@@ -445,8 +480,8 @@ class AgentFleet:
         prefix = next_turn_prefix(s.script, last)
         bs = self.profile.block_size
         gain = gain_tokens(s.chain, prefix, bs)
-        cont, ended = self.tenant_turns.get(s.script.agent_type, [0, 0])
-        d = decide(self.prefill_params, gain, cont, ended, pending_requests=self.pending_n[w],
+        d = decide(self.prefill_params, gain, self.continues.p(s.script.agent_type, len(prefix)),
+                   pending_requests=self.pending_n[w],
                    kv_usage=self.engines[w].pool.usage())
         self.prefill_stats.count(d)
         if not d.issue:

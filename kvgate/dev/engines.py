@@ -134,12 +134,21 @@ def ensure_router(name: str) -> InstallReport:
     return ensure_venv(f"venv-{name}", [ROUTER_SPECS[name]])
 
 
-def ensure_model(vllm_venv: Path) -> Path:
-    """The tiny model with random weights: kvgate's tokenizer, weights built by torch in vLLM's venv."""
+MODEL_SIZES: dict[str, dict[str, int]] = {
+    "tiny": {},
+    # Same tokenizer and template, ~110M parameters: its prefill costs more than moving its KV, as a real
+    # model's does (the tiny one recomputes 1,500 tokens faster than LMCache can load them).
+    "small": {"hidden": 1024, "intermediate": 2816, "layers": 8, "heads": 16, "kv_heads": 4},
+}
+
+
+def ensure_model(vllm_venv: Path, size: str = "tiny") -> Path:
+    """A model with random weights: kvgate's tokenizer, weights built by torch in vLLM's venv."""
     from kvgate.tokens.tinymodel import BUILDER_VERSION, ensure_tiny_model
 
     root = engines_dir()
-    out = root / f"tiny-model-v{BUILDER_VERSION}"
+    out = root / f"{size}-model-v{BUILDER_VERSION}"
+    shape = MODEL_SIZES[size]
     with _lock(root / ".model.lock"):
         if (out / "model.safetensors").exists():
             return out
@@ -148,9 +157,9 @@ def ensure_model(vllm_venv: Path) -> Path:
             shutil.rmtree(tmp)
         shutil.copytree(ensure_tiny_model(), tmp)
         repo = Path(__file__).resolve().parents[2]
-        code = "import sys; from pathlib import Path; from kvgate.tokens.tinymodel import build_weights; " \
-               "print(build_weights(Path(sys.argv[1])))"
-        _run([str(vllm_venv / "bin" / "python"), "-c", code, str(tmp)], root / "model-build.log",
+        code = "import sys, json; from pathlib import Path; from kvgate.tokens.tinymodel import build_weights; " \
+               "print(build_weights(Path(sys.argv[1]), **json.loads(sys.argv[2])))"
+        _run([str(vllm_venv / "bin" / "python"), "-c", code, str(tmp), json.dumps(shape)], root / "model-build.log",
              env={"PYTHONPATH": str(repo), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
         tmp.rename(out)
     return out

@@ -7,11 +7,13 @@ critical path. The rule, per completed turn:
 
 1. ``gain`` = tokens of P|A beyond its common prefix with the cached chain, in whole blocks. Nothing
    dropped, or a gain under ``min_gain_tokens``: skip (the next turn recomputes it cheaply).
-2. The observed probability of another user turn, ``(continued + a) / (continued + ended + a + b)``
-   over the tenant's conversations (a Beta prior, default 3:1), must reach ``min_continue``: below it
-   most prefills would be wasted. Per tenant because one conversation says little about itself (turns
-   per session are close to geometric), while agent products differ a lot: an interactive assistant's
-   users keep talking, a one-shot task agent's session ends after its answer.
+2. The observed probability of another user turn must reach ``min_continue``: below it most prefills
+   would be wasted. It is learned per tenant and per conversation size (``ContinueStats``): one
+   conversation says little about itself (turns per session are close to geometric), while agent
+   products differ a lot — an interactive assistant's users keep talking, a one-shot task agent's
+   session ends after its answer — and a conversation near its context budget ends or compacts (both
+   break the prefix) whatever its tenant. The tenant's rate is a Beta posterior (prior 1:1: no prefill
+   until a tenant has shown that its users come back); a size bucket's rate is shrunk towards it.
 3. The home worker must have no foreground request waiting for its first token and KV usage under
    ``max_kv_usage``: a background prefill never queues ahead of a user and never evicts to make room.
 
@@ -21,9 +23,14 @@ answer, the more of the cached chain is dead, but the gain is the answer and wha
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
+
+K = TypeVar("K", bound=Hashable)
 
 
 class PrefillParams(BaseModel):
@@ -31,9 +38,12 @@ class PrefillParams(BaseModel):
 
     enabled: bool = True
     min_gain_tokens: int = Field(128, ge=0, description="skip when the canonical branch adds fewer tokens")
-    min_continue: float = Field(0.5, ge=0, le=1, description="skip below this probability of another turn")
-    prior_continue: int = Field(3, ge=0, description="Beta prior: pseudo-turns that continued")
+    min_continue: float = Field(0.6, ge=0, le=1, description="skip below this probability of another turn")
+    prior_continue: int = Field(1, ge=0, description="Beta prior: pseudo-turns that continued")
     prior_stop: int = Field(1, ge=0, description="Beta prior: pseudo-turns that ended the conversation")
+    settle_s: float = Field(1800.0, gt=0, description="an answer without a next user turn for this long counts "
+                            "as the conversation's end (and its prefill as wasted)")
+    bucket_weight: float = Field(2.0, ge=0, description="pseudo-turns of the tenant's rate in a size bucket's")
     max_kv_usage: float = Field(0.9, ge=0, le=1, description="skip when the worker's KV is fuller than this")
 
 
@@ -61,11 +71,51 @@ def p_continue(params: PrefillParams, continued: int, ended: int) -> float:
     return (continued + params.prior_continue) / (continued + ended + params.prior_continue + params.prior_stop or 1)
 
 
-def decide(params: PrefillParams, gain: int, continued: int, ended: int, *, pending_requests: int,
+class ContinueStats:
+    """How often a conversation gets another user turn after an answer, per tenant and per size bucket
+    (prefix tokens, powers of two from 1k)."""
+
+    def __init__(self, params: PrefillParams, max_keys: int = 10_000) -> None:
+        self.params = params
+        self._max = max_keys
+        self._tenant: OrderedDict[str, list[int]] = OrderedDict()
+        self._bucket: OrderedDict[tuple[str, int], list[int]] = OrderedDict()
+
+    @staticmethod
+    def bucket(tokens: int) -> int:
+        return max(0, tokens.bit_length() - 10)
+
+    def _add(self, tenant: str, tokens: int, i: int) -> None:
+        self._count(self._tenant, tenant, i)
+        self._count(self._bucket, (tenant, self.bucket(tokens)), i)
+
+    def _count(self, d: OrderedDict[K, list[int]], key: K, i: int) -> None:
+        d.setdefault(key, [0, 0])[i] += 1
+        d.move_to_end(key)
+        while len(d) > self._max:
+            d.popitem(last=False)
+
+    def continued(self, tenant: str, tokens: int) -> None:
+        self._add(tenant, tokens, 0)
+
+    def ended(self, tenant: str, tokens: int) -> None:
+        self._add(tenant, tokens, 1)
+
+    def p(self, tenant: str, tokens: int) -> float:
+        c, e = self._tenant.get(tenant, [0, 0])
+        pt = p_continue(self.params, c, e)
+        bc, be = self._bucket.get((tenant, self.bucket(tokens)), [0, 0])
+        k = self.params.bucket_weight
+        return (bc + k * pt) / (bc + be + k) if bc + be + k > 0 else pt
+
+    def snapshot(self) -> dict[str, list[int]]:
+        return {t: list(v) for t, v in self._tenant.items()}
+
+
+def decide(params: PrefillParams, gain: int, p: float, *, pending_requests: int,
            kv_usage: float) -> PrefillDecision:
     if not params.enabled:
         return PrefillDecision(False, "disabled")
-    p = p_continue(params, continued, ended)
     if gain <= 0:
         return PrefillDecision(False, "nothing_dropped", 0, p)
     if gain < params.min_gain_tokens:

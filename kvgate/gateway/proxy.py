@@ -310,6 +310,10 @@ class Proxy:
                         and isinstance(choices[0].get("message"), dict):
                     ctx.reply.set_message(choices[0]["message"])
                 ctx.ttft_s = None
+                # The worker is done with it: release first, so what the turn's end decides (a background
+                # prefill) sees the queue without this request.
+                released = True
+                self.pool.release(wid, ctx.prefill_tokens)
                 await self._record(ctx)
                 return Response(content, status_code=upstream.status_code,
                                 media_type=upstream.headers.get("content-type", "application/json"),

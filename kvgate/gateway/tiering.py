@@ -25,7 +25,7 @@ import httpx
 from kvgate.clock import Clock
 from kvgate.config import GatewaySettings
 from kvgate.gateway.lifecycle import Event, Lifecycle, State
-from kvgate.gateway.prefill import PrefillStats, decide, gain_tokens
+from kvgate.gateway.prefill import ContinueStats, PrefillStats, decide, gain_tokens
 from kvgate.gateway.telemetry import GatewayMetrics
 from kvgate.gateway.workers import WorkerPool
 from kvgate.kvstore.tiers import LMCacheControl, RemoteTierProbe
@@ -65,19 +65,22 @@ class TierKeeper:
         self._reserved: dict[str, tuple[WorkerId, int]] = {}
         self._timers: dict[str, asyncio.Task[None]] = {}
         self._prefills: OrderedDict[str, _Pending] = OrderedDict()
-        self._tenant_turns: dict[str, list[int]] = {}
-        """Per tenant: [user turns followed by another, conversations whose last turn went unanswered]."""
+        self.continues = ContinueStats(settings.prefill)
+        self._answer_size: OrderedDict[str, int] = OrderedDict()
+        """Conversation -> its canonical prefix after its last answer (the size continuation is counted under)."""
 
     # -- a request arrives ---------------------------------------------------------------------
-    def arrived(self, conversation: str, tenant: str, life: Lifecycle, user_turn: bool) -> tuple[Lifecycle, WorkerId | None]:
+    def arrived(self, conversation: str, tenant: str, life: Lifecycle,
+                user_turn: bool) -> tuple[Lifecycle, WorkerId | None]:
         """Apply the request to the lifecycle; returns the new lifecycle and a worker the request must go
         to (a background prefill of its prefix is running there), if any."""
         now = self.clock.now()
         if life.state is State.AWAITING_TOOL and life.plan is not None:
             over = self.predictor.observe(tenant, life.tools, now - life.since, life.plan.predicted_s)
             self.metrics.tool_waits.labels("overrun" if over else "within").inc()
-        if life.state is State.AWAITING_USER and user_turn:
-            self._tenant_turns.setdefault(tenant, [0, 0])[0] += 1
+        size = self._answer_size.pop(conversation, None)
+        if life.state is State.AWAITING_USER and user_turn and size is not None:
+            self.continues.continued(tenant, size)
         self._unreserve(conversation)
         timer = self._timers.pop(conversation, None)
         if timer is not None:
@@ -133,7 +136,17 @@ class TierKeeper:
             elif plan.prefetch_at is not None and worker in self.lmcache:
                 self._later(conversation, plan.prefetch_at - now, self._prefetch(conversation, model, worker))
             return life
+        if self.settings.prefill.enabled:
+            self._later(conversation, self.settings.prefill.settle_s, self._ended(conversation, tenant))
         return life.on(Event.ANSWER, now)
+
+    async def _ended(self, conversation: str, tenant: str) -> None:
+        """No user turn for ``settle_s`` after an answer: the conversation ended (for this tenant's
+        continuation rate), and a prefill made for it was wasted."""
+        size = self._answer_size.pop(conversation, None)
+        if size is not None:
+            self.continues.ended(tenant, size)
+        self.settle_prefill(conversation, None)
 
     def failed(self, life: Lifecycle) -> Lifecycle:
         return life.on(Event.FAILED, self.clock.now())
@@ -201,8 +214,12 @@ class TierKeeper:
             return "no_tokens"
         w = self.pool.get(worker)
         gain = gain_tokens(chain, prefix, block_size)
-        cont, ended = self._tenant_turns.get(tenant, [0, 0])
-        d = decide(params, gain, cont, ended, pending_requests=w.pending_requests, kv_usage=w.kv_usage)
+        self._answer_size[conversation] = len(prefix)
+        self._answer_size.move_to_end(conversation)
+        while len(self._answer_size) > self.settings.max_sessions:
+            self._answer_size.popitem(last=False)
+        d = decide(params, gain, self.continues.p(tenant, len(prefix)), pending_requests=w.pending_requests,
+                   kv_usage=w.kv_usage)
         self.prefill.count(d)
         self.metrics.prefill_decisions.labels(d.reason).inc()
         if not d.issue:
@@ -215,9 +232,7 @@ class TierKeeper:
         self._prefills[conversation] = _Pending(worker, len(prefix), divergence, p1_ms * gain, task, self.clock.now())
         self._prefills.move_to_end(conversation)
         while len(self._prefills) > self.settings.max_sessions:
-            old_cid, _ = next(iter(self._prefills.items()))
-            self.settle_prefill(old_cid, None)
-            self._tenant_turns.setdefault(tenant, [0, 0])[1] += 1
+            self.settle_prefill(next(iter(self._prefills)), None)
         self.metrics.prefills.labels("issued").inc()
         return d.reason
 
@@ -251,7 +266,8 @@ class TierKeeper:
                             for w, c in self.lmcache.items()},
                 "prefill": {"issued": self.prefill.issued, "completed": self.prefill.completed,
                             "failed": self.prefill.failed, "used": self.prefill.used, "wasted": self.prefill.wasted,
-                            "saved_ms": round(self.prefill.saved_ms, 1), "decisions": dict(self.prefill.decided)}}
+                            "saved_ms": round(self.prefill.saved_ms, 1), "decisions": dict(self.prefill.decided),
+                            "continuation": self.continues.snapshot()}}
 
     async def aclose(self) -> None:
         for t in [*self._timers.values(), *(p.task for p in self._prefills.values())]:

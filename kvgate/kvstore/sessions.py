@@ -48,7 +48,8 @@ class Session:
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
     """Where the session is between requests (gateway/lifecycle.py)."""
 
-    def with_turn(self, turn: TurnRecord, now: float, keep_turns: int = 64, lifecycle: Lifecycle | None = None) -> Session:
+    def with_turn(self, turn: TurnRecord, now: float, keep_turns: int = 64,
+                  lifecycle: Lifecycle | None = None) -> Session:
         return replace(self, home_worker=turn.worker, last_activity=now,
                        turns=(*self.turns, turn)[-keep_turns:], turn_count=self.turn_count + 1,
                        lifecycle=lifecycle or self.lifecycle)

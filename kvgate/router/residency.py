@@ -50,7 +50,9 @@ class TierResidency:
         nodes = self._cpu.get(conversation)
         if not nodes:
             return {}
-        return {n: min(t, remote_tokens) for n, (t, at) in nodes.items() if now - at <= self.ttl_s and remote_tokens > 0}
+        if remote_tokens <= 0:
+            return {}
+        return {n: min(t, remote_tokens) for n, (t, at) in nodes.items() if now - at <= self.ttl_s}
 
     def forget(self, conversation: str) -> None:
         self._cpu.pop(conversation, None)

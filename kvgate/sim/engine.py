@@ -263,7 +263,8 @@ class EngineCore:
             if ext:
                 assert self.tiers is not None
                 self.tiers.retrieve(ext_keys)
-                self._cache_full_blocks(req)  # loaded blocks are full and join the prefix cache
+                # Loaded blocks are full and join the prefix cache; LMCache does not store them again.
+                self._cache_full_blocks(req, store=False)
                 req.external_tokens += ext
                 self.stats.external_tokens += ext
                 self.stats.load_ms += ext_ms
@@ -306,7 +307,7 @@ class EngineCore:
         self.stats.loaded_remote_tokens += beyond.count("remote") * t.chunk_tokens
         return tier_tokens - hit_tokens, ms, keys[: len(sources)]
 
-    def _cache_full_blocks(self, req: SimRequest) -> None:
+    def _cache_full_blocks(self, req: SimRequest, store: bool = True) -> None:
         """Blocks that became full (their KV computed) join the prefix cache, as vLLM caches them; with
         tiers, every chunk completed is stored to LMCache (store-on-compute)."""
         bs = self.block_size
@@ -318,7 +319,7 @@ class EngineCore:
         self.pool.cache_blocks(req.blocks[a:full], req.hashes[a:full], req.hashes[a - 1] if a > 0 else None,
                                req.tokens(a * bs, full * bs), (req.cache_salt,) if req.cache_salt else None)
         req.num_cached_blocks = full
-        if self.tiers is not None:
+        if self.tiers is not None and store:
             per = self.tiers.chunk_tokens // bs
             upto = full if self.tiers.save_decode else min(full, len(req.prompt) // bs)
             self.tiers.store([req.hashes[i] for i in range(per - 1, upto, per) if i >= a])

@@ -106,3 +106,4 @@ async def test_kvgate_computes_exactly_the_redis_keys(lmc: LMCacheSetup) -> None
     present = {k.decode() for k in r.keys(f"{lmc.model}@*")}
     earlier = {k for s in [1, *range(100, 104), *range(200, 204)] for k in keys.redis_keys(prompt(s))}
     assert present == want | earlier
+
