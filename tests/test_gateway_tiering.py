@@ -7,6 +7,7 @@ from typing import Any
 import httpx
 
 from kvgate.dev.engines import free_port
+from kvgate.kvstore.tiers import LMCacheControl
 from tests.conftest import Cluster
 from tests.test_gateway import eventually, metric
 from tests.test_gateway_history import chat, ready
@@ -100,3 +101,27 @@ async def test_a_dead_remote_tier_is_counted_and_requests_go_on(make_cluster: An
     assert await metric(c, "kvgate_tier_lookups_total", tier="remote", state="down") >= 1
     tiers = await admin(c, "/admin/tiers")
     assert tiers["remote_tier"]["up"] is False and tiers["remote_tier"]["errors"] == 1  # one timeout, then skipped
+
+
+async def test_a_dead_lmcache_fails_the_prefetch_not_the_request(make_cluster: Any) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    c = await make_cluster(1, events=True, waits={"tool_priors_s": {"search": 0.6}, "reserve_max_s": 0.1,
+                                                  "prefetch_lead_s": 0.5})
+    for w in c.gateway.settings.workers:  # the worker's LMCache server is not running
+        c.gateway.tiers.lmcache[w.id] = LMCacheControl(dead, c.gateway.client, c.gateway.clock.now)
+    await ready(c)
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "agent " * 200}, {"role": "user", "content": "go"}]
+    r1 = await chat(c, "pf", msgs, sim={"tool_calls": [{"name": "search", "arguments": {"q": "x"}}]})
+    life = (await admin(c, "/admin/conversations/pf"))["lifecycle"]
+    assert life["plan"][1] == "release"  # a 0.6 s wait is "long" here: prefetch at +0.1 s
+
+    async def failed() -> bool:
+        return await metric(c, "kvgate_tier_prefetches_total", outcome="failed") == 1
+
+    await eventually(failed)
+    m = r1.json()["choices"][0]["message"]
+    msgs += [{k: v for k, v in m.items() if v is not None},
+             {"role": "tool", "tool_call_id": m["tool_calls"][0]["id"], "content": "ok"}]
+    assert (await chat(c, "pf", msgs, sim={"tool_calls": 0})).status_code == 200
+    tiers = await admin(c, "/admin/tiers")
+    assert all(not v["up"] and v["errors"] == 1 for v in tiers["lmcache"].values())

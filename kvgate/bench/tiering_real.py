@@ -45,6 +45,10 @@ class RealResult:
     baseline_prefix_tokens: int = 0
     baseline_cached: int = 0
     prefill_stats: dict[str, Any] = field(default_factory=dict)
+    prefetch_found: tuple[int, int] | None = None
+    """LMCache's (found, total) chunks for kvgate's prefetch after L1 was cleared."""
+    prefetch_l1_hit_tokens: float = 0.0
+    """L1 hits of the request that followed the prefetch."""
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -164,8 +168,46 @@ async def _sleep(s: float) -> None:
     await asyncio.sleep(s)
 
 
+def l1_hits(lmcache_url: str) -> float:
+    total = 0.0
+    for line in httpx.get(lmcache_url + "/metrics").text.splitlines():
+        if line.startswith("lmcache_mp_lookup_hit_l1_tokens_total"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def prefetch_into_l1(e: Engine, seed: int) -> tuple[tuple[int, int] | None, float]:
+    """kvgate's LMCache adapter warms L1 from Redis: after L1 is cleared and the GPU copy evicted, a
+    prefetch makes the conversation's next request an L1 hit."""
+    import asyncio
+
+    from kvgate.kvstore.tiers import LMCacheControl
+
+    conv = tokens(seed * 1000 + 777, 1300)
+    async with httpx.AsyncClient(timeout=300) as h:
+        for p in [conv, *(tokens(seed * 1000 + 780 + j, 1300) for j in range(4))]:
+            r = await h.post(e.url + "/v1/completions", json={"model": MODEL, "prompt": p, "max_tokens": 1})
+            r.raise_for_status()
+        (await h.post(e.lmcache_url + "/cache/clear")).raise_for_status()
+        ctl = LMCacheControl(e.lmcache_url, h, time.monotonic)
+        rid = await ctl.prefetch(str(e.model_path), conv)
+        found = None
+        for _ in range(200):
+            if rid is None:
+                break
+            found = await ctl.prefetch_result(rid)
+            if found is not None:
+                break
+            await asyncio.sleep(0.05)
+        before = l1_hits(e.lmcache_url)
+        r = await h.post(e.url + "/v1/completions", json={"model": MODEL, "prompt": [*conv, 5, 6, 7], "max_tokens": 1})
+        r.raise_for_status()
+        return found, l1_hits(e.lmcache_url) - before
+
+
 async def measure(e: Engine, seed: int = 0) -> RealResult:
     out = await resume_after_eviction(e, seed=seed)
+    out.prefetch_found, out.prefetch_l1_hit_tokens = await prefetch_into_l1(e, seed)
     out.baseline_prefix_tokens, out.baseline_cached, _ = await prefill_next_turn(e, False, seed)
     out.prefill_prefix_tokens, out.prefill_cached, out.prefill_stats = await prefill_next_turn(e, True, seed + 1)
     return out
@@ -190,6 +232,9 @@ def report(r: RealResult) -> tuple[str, bool]:
          f"{r.prefill_cached} / {r.prefill_prefix_tokens}", r.prefill_cached >= r.prefill_prefix_tokens // 128 * 128),
         ("same turn without prefill: cached / canonical prefix tokens",
          f"{r.baseline_cached} / {r.baseline_prefix_tokens}", r.baseline_cached < r.prefill_cached),
+        ("kvgate's LMCache prefetch after L1 clear: found / total chunks, then L1-hit tokens",
+         f"{r.prefetch_found} then {r.prefetch_l1_hit_tokens:.0f}",
+         r.prefetch_found is not None and r.prefetch_found[0] > 0 and r.prefetch_l1_hit_tokens > 0),
     ]
     lines += [f"| {n} | {m} | {'yes' if ok else 'NO'} |" for n, m, ok in checks]
     return "\n".join(lines), all(ok for *_, ok in checks)

@@ -7,9 +7,11 @@ critical path. The rule, per completed turn:
 
 1. ``gain`` = tokens of P|A beyond its common prefix with the cached chain, in whole blocks. Nothing
    dropped, or a gain under ``min_gain_tokens``: skip (the next turn recomputes it cheaply).
-2. The observed probability of another user turn must reach ``min_continue``: below it most prefills
-   would be wasted. It is learned per tenant and per conversation size (``ContinueStats``): one
-   conversation says little about itself (turns per session are close to geometric), while agent
+2. The observed probability of another user turn must reach ``min_continue`` (default 0.8): a prefill
+   is wasted when the user does not come back, so issuing only where that probability is at least
+   ``1 - w`` keeps the wasted fraction under ``w``, as far as the estimate is calibrated. It is
+   learned per tenant and per conversation size (``ContinueStats``): one conversation says little
+   about itself (turns per session are close to geometric), while agent
    products differ a lot — an interactive assistant's users keep talking, a one-shot task agent's
    session ends after its answer — and a conversation near its context budget ends or compacts (both
    break the prefix) whatever its tenant. The tenant's rate is a Beta posterior (prior 1:1: no prefill
@@ -38,7 +40,8 @@ class PrefillParams(BaseModel):
 
     enabled: bool = True
     min_gain_tokens: int = Field(128, ge=0, description="skip when the canonical branch adds fewer tokens")
-    min_continue: float = Field(0.6, ge=0, le=1, description="skip below this probability of another turn")
+    min_continue: float = Field(0.8, ge=0, le=1, description="skip below this probability of another turn: "
+                                "1 - the fraction of prefills an operator accepts to waste")
     prior_continue: int = Field(1, ge=0, description="Beta prior: pseudo-turns that continued")
     prior_stop: int = Field(1, ge=0, description="Beta prior: pseudo-turns that ended the conversation")
     settle_s: float = Field(1800.0, gt=0, description="an answer without a next user turn for this long counts "

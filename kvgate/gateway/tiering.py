@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,10 +135,10 @@ class TierKeeper:
             if plan.action == "reserve":
                 self._reserve(conversation, worker, kv_tokens, plan.deadline - now)
             elif plan.prefetch_at is not None and worker in self.lmcache:
-                self._later(conversation, plan.prefetch_at - now, self._prefetch(conversation, model, worker))
+                self._later(conversation, plan.prefetch_at - now, lambda: self._prefetch(conversation, model, worker))
             return life
         if self.settings.prefill.enabled:
-            self._later(conversation, self.settings.prefill.settle_s, self._ended(conversation, tenant))
+            self._later(conversation, self.settings.prefill.settle_s, lambda: self._ended(conversation, tenant))
         return life.on(Event.ANSWER, now)
 
     async def _ended(self, conversation: str, tenant: str) -> None:
@@ -160,14 +161,16 @@ class TierKeeper:
             self._unreserve(conversation)
             self.metrics.tool_waits.labels("reservation_lapsed").inc()
 
-        self._later(conversation, hold_s, lapse())
+        self._later(conversation, hold_s, lapse)
 
     def _unreserve(self, conversation: str) -> None:
         r = self._reserved.pop(conversation, None)
         if r is not None:
             self.pool.reserve(r[0], -r[1])
 
-    def _later(self, conversation: str, delay_s: float, coro: Any) -> None:
+    def _later(self, conversation: str, delay_s: float, work: Callable[[], Awaitable[None]]) -> None:
+        """Run ``work`` after ``delay_s`` unless the conversation's next request comes first (one timer
+        per conversation: a new one replaces the old)."""
         old = self._timers.pop(conversation, None)
         if old is not None:
             old.cancel()
@@ -175,9 +178,8 @@ class TierKeeper:
         async def run() -> None:
             try:
                 await self.clock.sleep(max(0.0, delay_s))
-                await coro
+                await work()
             except asyncio.CancelledError:
-                coro.close()
                 raise
             except Exception as exc:  # advisory work: never let it escape
                 log.warning("deferred tier work for %s failed: %r", conversation, exc)

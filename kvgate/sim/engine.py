@@ -105,6 +105,18 @@ class EngineStats:
     load_ms: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class _TierHit:
+    tokens: int
+    ms: float
+    keys: list[BlockHash]
+    cpu_tokens: int
+    remote_tokens: int
+
+
+_NO_HIT = _TierHit(0, 0.0, [], 0, 0)
+
+
 class EngineCore:
     def __init__(self, profile: TimingProfile, hasher: VllmHasher, num_blocks: int | None = None,
                  tiers: EngineTiers | None = None, background_chunk: int = 2048) -> None:
@@ -245,7 +257,8 @@ class EngineCore:
             self._ensure_hashes(req, max_hit_blocks)
             hit = self.pool.longest_hit(req.hashes, max_hit_blocks)
             hit_tokens = len(hit) * self.block_size
-            ext, ext_ms, ext_keys = self._tier_hit(req, hit_tokens, max_hit_blocks)
+            th = self._tier_hit(req, hit_tokens, max_hit_blocks)
+            ext = th.tokens
             done = hit_tokens + ext
             num_new = min(budget, req.known_len - done, self.background_chunk if req.background else budget)
             need = -(-(done + num_new) // self.block_size) - len(hit)
@@ -262,13 +275,15 @@ class EngineCore:
             req.num_computed = done
             if ext:
                 assert self.tiers is not None
-                self.tiers.retrieve(ext_keys)
+                self.tiers.retrieve(th.keys)
                 # Loaded blocks are full and join the prefix cache; LMCache does not store them again.
                 self._cache_full_blocks(req, store=False)
                 req.external_tokens += ext
                 self.stats.external_tokens += ext
-                self.stats.load_ms += ext_ms
-                load_ms += ext_ms
+                self.stats.loaded_cpu_tokens += th.cpu_tokens
+                self.stats.loaded_remote_tokens += th.remote_tokens
+                self.stats.load_ms += th.ms
+                load_ms += th.ms
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = done
                 self.stats.prefix_cache_queries += req.known_len
@@ -289,23 +304,22 @@ class EngineCore:
         # A tier load is synchronous here: the step that admits the request waits for its KV.
         return StepPlan(tuple(out), self.profile.step_ms(chunks, dec_batch, dec_ctx) + load_ms)
 
-    def _tier_hit(self, req: SimRequest, hit_tokens: int, max_hit_blocks: int) -> tuple[int, float, list[BlockHash]]:
+    def _tier_hit(self, req: SimRequest, hit_tokens: int, max_hit_blocks: int) -> _TierHit:
         """Tokens beyond the GPU hit that LMCache's tiers hold (chunk-aligned), the load time, and the
         chunk keys served."""
         t = self.tiers
         if t is None:
-            return 0, 0.0, []
+            return _NO_HIT
         keys = t.chunk_keys(req.hashes[:max_hit_blocks], self.block_size)
         sources = t.lookup(keys)
         tier_tokens = len(sources) * t.chunk_tokens
         if tier_tokens <= hit_tokens:
-            return 0, 0.0, []
+            return _NO_HIT
         first = hit_tokens // t.chunk_tokens  # the chunk the GPU hit ends in (loaded whole)
         beyond = sources[first:]
-        ms = t.load_ms(beyond.count("cpu"), beyond.count("remote"))
-        self.stats.loaded_cpu_tokens += beyond.count("cpu") * t.chunk_tokens
-        self.stats.loaded_remote_tokens += beyond.count("remote") * t.chunk_tokens
-        return tier_tokens - hit_tokens, ms, keys[: len(sources)]
+        cpu, remote = beyond.count("cpu"), beyond.count("remote")
+        return _TierHit(tier_tokens - hit_tokens, t.load_ms(cpu, remote), keys[: len(sources)],
+                        cpu * t.chunk_tokens, remote * t.chunk_tokens)
 
     def _cache_full_blocks(self, req: SimRequest, store: bool = True) -> None:
         """Blocks that became full (their KV computed) join the prefix cache, as vLLM caches them; with

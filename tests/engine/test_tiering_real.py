@@ -35,3 +35,5 @@ async def test_resume_from_lmcache_and_background_prefill(engine: Engine) -> Non
     assert r.prefill_stats["issued"] == 1 and r.prefill_stats["used"] == 1, r.prefill_stats
     assert r.prefill_cached >= r.prefill_prefix_tokens // 128 * 128
     assert r.baseline_cached < r.prefill_cached
+    # kvgate's prefetch warms LMCache's L1 from Redis: the next request hits L1.
+    assert r.prefetch_found == (5, 5) and r.prefetch_l1_hit_tokens == 1280, (r.prefetch_found, r.prefetch_l1_hit_tokens)
