@@ -317,15 +317,12 @@ class AgentFleet:
             force = None
             pf = s.prefill
             if pf is not None and pf.req.finish_time is None:
-                # The next request came first: it goes where the prefill runs, and the prefill stops
-                # if it has not started.
+                # As the gateway does: the next request came first, so it goes where the prefill runs
+                # and the prefill is aborted (the blocks it finished stay cached for this request).
                 force = pf.worker
-                started = pf.req.num_computed > 0
                 self.engines[pf.worker].abort(pf.req.id)
                 by_req.pop(pf.req.id, None)
-                if not started:
-                    self.prefill_stats.skipped += 1
-                    s.prefill = None
+                self.prefill_stats.skipped += 1
             gpu_home = 0
             if s.home is not None:
                 held = self.index.match([event_int(h) for h in hashes]).get(self.ids[s.home], 0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -84,7 +85,9 @@ class Gateway:
         self.prompts = PromptBuilder(tokenizers, hashers, self._worker_tokenize, settings.max_tracked_conversations)
         self.turns = TurnKeeper(settings.protocols, settings.reasoning_policy, settings.tenant_reasoning_policies,
                                 self.prompts, settings.max_tracked_conversations)
-        self.tiers = TierKeeper(settings, self.pool, self.client, self.clock, self.metrics)
+        # Lifecycle times are shared through the session store: wall time unless the clock is virtual.
+        wall = time.time if isinstance(self.clock, MonotonicClock) else self.clock.now
+        self.tiers = TierKeeper(settings, self.pool, self.client, self.clock, self.metrics, wall)
         self.tiers.tokens_of = self.turns.chain_tokens
         self.proxy = Proxy(settings, self.pool, self.policy, self.sessions, self.metrics, self.client, self.clock,
                            self.prompts, self.prefix, self.turns, self.tiers)

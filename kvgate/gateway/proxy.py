@@ -119,6 +119,7 @@ class Proxy:
         self.prefix = prefix
         self.turns = turns
         self.tiers = tiers
+        self._background: set[asyncio.Task[None]] = set()
 
     # -- entry ---------------------------------------------------------------------------------
     async def handle(self, request: Request, endpoint: Endpoint) -> Response:
@@ -235,8 +236,9 @@ class Proxy:
             forced = fleet.get(force) if force is not None and force not in tried else None
             if forced is not None and forced.healthy:
                 # A background prefill of this prompt's prefix runs there: follow it.
+                limit = max(0, (prompt.length - 1) // bs) * bs  # vLLM recomputes the last token
                 decision: Decision | None = Decision(forced.id, "prefill_pending",
-                                                     matched.get(forced.id, 0) * bs)
+                                                     min(matched.get(forced.id, 0) * bs, limit))
             else:
                 decision = self.policy.pick(rreq, self.pool.snapshot(model))
             if decision is None:
@@ -481,10 +483,11 @@ class Proxy:
                                         u.prompt_tokens + u.completion_tokens)
         except Exception as exc:  # advisory: a lifecycle bug must not lose the turn record
             log.warning("lifecycle of %s: %r", cid, exc)
-        if ctx.turn is not None and not tools and ctx.reply.complete:
-            self.tiers.maybe_prefill(cid, ctx.ident.tenant, ctx.model, wid, self.turns.chain_tokens(cid),
-                                     self.turns.next_turn_prefix(ctx.model, cid, ctx.turn.protocol),
-                                     self.prefix.block_size(ctx.model), self.settings.cost.p1_ms)
+        if ctx.turn is not None and not tools and ctx.reply.complete and self.settings.prefill.enabled:
+            # Rendering the next-turn prefix costs a template pass over the history: after the response.
+            task = asyncio.get_running_loop().create_task(self._after_answer(ctx, wid, ctx.turn.protocol))
+            self._background.add(task)  # a task nobody references may be collected before it runs
+            task.add_done_callback(self._background.discard)
         turn = TurnRecord(wid, ctx.decision.reason, u.prompt_tokens, u.cached_tokens, u.completion_tokens,
                           ctx.ttft_s, ctx.decision.expected_cached_tokens, lost, cause, detail, cache_lost,
                           cache_cause)
@@ -501,6 +504,16 @@ class Proxy:
         except SessionStoreError as exc:
             self.metrics.session_store_errors.inc()
             log.warning("turn not recorded: %s", exc)
+
+
+    async def _after_answer(self, ctx: _Ctx, wid: WorkerId, protocol: ModelProtocol) -> None:
+        cid = ctx.ident.conversation_id
+        try:
+            self.tiers.maybe_prefill(cid, ctx.ident.tenant, ctx.model, wid, self.turns.chain_tokens(cid),
+                                     self.turns.next_turn_prefix(ctx.model, cid, protocol),
+                                     self.prefix.block_size(ctx.model), self.settings.cost.p1_ms)
+        except Exception as exc:  # advisory: a prefill decision never fails anything
+            log.warning("background prefill decision for %s: %r", cid, exc)
 
 
 def _has_output(choice: Any) -> bool:

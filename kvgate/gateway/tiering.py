@@ -49,12 +49,15 @@ class _Pending:
 
 class TierKeeper:
     def __init__(self, settings: GatewaySettings, pool: WorkerPool, client: httpx.AsyncClient, clock: Clock,
-                 metrics: GatewayMetrics) -> None:
+                 metrics: GatewayMetrics, wall: Callable[[], float] | None = None) -> None:
         self.settings = settings
         self.pool = pool
         self.client = client
         self.clock = clock
         self.metrics = metrics
+        self.wall = wall or clock.now
+        """Times stored in the shared session (wait start, plan deadlines): wall time, so that another
+        gateway replica, or this one after a restart, measures the same wait."""
         self.predictor = WaitPredictor(settings.waits)
         self.residency = TierResidency(settings.cpu_tier_ttl_s, settings.tier_chunk_tokens, settings.max_sessions)
         self.remote = (RemoteTierProbe(settings.tier_redis_url, clock.now, chunk_tokens=settings.tier_chunk_tokens,
@@ -64,7 +67,10 @@ class TierKeeper:
                         for w in settings.workers if w.lmcache_url}
         self.prefill = PrefillStats.new()
         self._reserved: dict[str, tuple[WorkerId, int]] = {}
-        self._timers: dict[str, asyncio.Task[None]] = {}
+        self._timers: dict[str, dict[str, asyncio.Task[None]]] = {}
+        """Conversation -> kind (lapse, prefetch, settle) -> its pending timer."""
+        self._observed: OrderedDict[str, float] = OrderedDict()
+        """Conversation -> start of the last wait fed back (a retried request must not count it twice)."""
         self._prefills: OrderedDict[str, _Pending] = OrderedDict()
         self.continues = ContinueStats(settings.prefill)
         self._answer_size: OrderedDict[str, int] = OrderedDict()
@@ -75,21 +81,31 @@ class TierKeeper:
                 user_turn: bool) -> tuple[Lifecycle, WorkerId | None]:
         """Apply the request to the lifecycle; returns the new lifecycle and a worker the request must go
         to (a background prefill of its prefix is running there), if any."""
-        now = self.clock.now()
-        if life.state is State.AWAITING_TOOL and life.plan is not None:
-            over = self.predictor.observe(tenant, life.tools, now - life.since, life.plan.predicted_s)
+        now = self.wall()
+        waited = now - life.since
+        if life.state is State.AWAITING_TOOL and life.plan is not None and waited >= 0 \
+                and self._observed.get(conversation) != life.since:
+            self._observed[conversation] = life.since
+            self._observed.move_to_end(conversation)
+            while len(self._observed) > self.settings.max_sessions:
+                self._observed.popitem(last=False)
+            over = self.predictor.observe(tenant, life.tools, waited, life.plan.predicted_s)
             self.metrics.tool_waits.labels("overrun" if over else "within").inc()
         size = self._answer_size.pop(conversation, None)
         if life.state is State.AWAITING_USER and user_turn and size is not None:
             self.continues.continued(tenant, size)
         self._unreserve(conversation)
-        timer = self._timers.pop(conversation, None)
-        if timer is not None:
-            timer.cancel()
+        for t in self._timers.pop(conversation, {}).values():
+            t.cancel()
         force = None
         pending = self._prefills.get(conversation)
         if pending is not None and not pending.task.done():
+            # The next request came first: it goes where the prefill ran, and the prefill stops (vLLM
+            # aborts it; the blocks it finished stay cached for this request).
             force = pending.worker
+            pending.task.cancel()
+            self.prefill.skipped += 1
+            self.metrics.prefills.labels("skipped").inc()
         return life.on(Event.REQUEST, now), force
 
     async def tier_tokens(self, model: str, conversation: str, tokens: tuple[int, ...] | None,
@@ -127,7 +143,7 @@ class TierKeeper:
     # -- a response ended ----------------------------------------------------------------------
     def completed(self, conversation: str, tenant: str, model: str, life: Lifecycle, worker: WorkerId,
                   tools: tuple[str, ...], kv_tokens: int) -> Lifecycle:
-        now = self.clock.now()
+        now = self.wall()
         if tools:
             plan = self.predictor.plan(tenant, tools, now)
             life = life.on(Event.TOOL_CALLS, now, tools=tools, plan=plan)
@@ -135,10 +151,12 @@ class TierKeeper:
             if plan.action == "reserve":
                 self._reserve(conversation, worker, kv_tokens, plan.deadline - now)
             elif plan.prefetch_at is not None and worker in self.lmcache:
-                self._later(conversation, plan.prefetch_at - now, lambda: self._prefetch(conversation, model, worker))
+                self._later(conversation, "prefetch", plan.prefetch_at - now,
+                            lambda: self._prefetch(conversation, model, worker))
             return life
         if self.settings.prefill.enabled:
-            self._later(conversation, self.settings.prefill.settle_s, lambda: self._ended(conversation, tenant))
+            self._later(conversation, "settle", self.settings.prefill.settle_s,
+                        lambda: self._ended(conversation, tenant))
         return life.on(Event.ANSWER, now)
 
     async def _ended(self, conversation: str, tenant: str) -> None:
@@ -161,17 +179,18 @@ class TierKeeper:
             self._unreserve(conversation)
             self.metrics.tool_waits.labels("reservation_lapsed").inc()
 
-        self._later(conversation, hold_s, lapse)
+        self._later(conversation, "lapse", hold_s, lapse)
 
     def _unreserve(self, conversation: str) -> None:
         r = self._reserved.pop(conversation, None)
         if r is not None:
             self.pool.reserve(r[0], -r[1])
 
-    def _later(self, conversation: str, delay_s: float, work: Callable[[], Awaitable[None]]) -> None:
+    def _later(self, conversation: str, kind: str, delay_s: float, work: Callable[[], Awaitable[None]]) -> None:
         """Run ``work`` after ``delay_s`` unless the conversation's next request comes first (one timer
-        per conversation: a new one replaces the old)."""
-        old = self._timers.pop(conversation, None)
+        per conversation and kind: a new one replaces the old)."""
+        timers = self._timers.setdefault(conversation, {})
+        old = timers.pop(kind, None)
         if old is not None:
             old.cancel()
 
@@ -184,11 +203,14 @@ class TierKeeper:
             except Exception as exc:  # advisory work: never let it escape
                 log.warning("deferred tier work for %s failed: %r", conversation, exc)
             finally:
-                if self._timers.get(conversation) is task:
-                    del self._timers[conversation]
+                mine = self._timers.get(conversation, {})
+                if mine.get(kind) is task:
+                    del mine[kind]
+                    if not mine:
+                        self._timers.pop(conversation, None)
 
-        task = asyncio.get_running_loop().create_task(run(), name=f"tier:{conversation}")
-        self._timers[conversation] = task
+        task = asyncio.get_running_loop().create_task(run(), name=f"tier:{kind}:{conversation}")
+        timers[kind] = task
 
     # -- prefetch --------------------------------------------------------------------------------
     tokens_of: Any = None
@@ -229,7 +251,7 @@ class TierKeeper:
         self.settle_prefill(conversation, None)  # an older one nobody used
         n = len(chain)
         divergence = next((i for i in range(min(n, len(prefix))) if chain[i] != prefix[i]), min(n, len(prefix)))
-        task = asyncio.get_running_loop().create_task(self._send_prefill(model, w.config.url, prefix),
+        task = asyncio.get_running_loop().create_task(self._send_prefill(model, worker, prefix),
                                                       name=f"prefill:{conversation}")
         self._prefills[conversation] = _Pending(worker, len(prefix), divergence, p1_ms * gain, task, self.clock.now())
         self._prefills.move_to_end(conversation)
@@ -238,16 +260,20 @@ class TierKeeper:
         self.metrics.prefills.labels("issued").inc()
         return d.reason
 
-    async def _send_prefill(self, model: str, url: str, prefix: list[int]) -> bool:
+    async def _send_prefill(self, model: str, worker: WorkerId, prefix: list[int]) -> bool:
         body: dict[str, Any] = {"model": model, "prompt": prefix, "max_tokens": 1, "temperature": 0}
         if self.settings.prefill_priority is not None:
             body["priority"] = self.settings.prefill_priority
+        # Counted in the worker's queue like any request, so routing sees the work it adds.
+        self.pool.acquire(worker, len(prefix))
         try:
-            r = await self.client.post(f"{url}/v1/completions", json=body)
+            r = await self.client.post(f"{self.pool.get(worker).config.url}/v1/completions", json=body)
             ok = r.status_code == 200
         except httpx.HTTPError as exc:
             log.warning("background prefill failed: %r", exc)
             ok = False
+        finally:
+            self.pool.release(worker, len(prefix))
         self.prefill.completed += ok
         self.prefill.failed += not ok
         self.metrics.prefills.labels("completed" if ok else "failed").inc()
@@ -268,13 +294,15 @@ class TierKeeper:
                             for w, c in self.lmcache.items()},
                 "prefill": {"issued": self.prefill.issued, "completed": self.prefill.completed,
                             "failed": self.prefill.failed, "used": self.prefill.used, "wasted": self.prefill.wasted,
+                            "skipped": self.prefill.skipped,
                             "saved_ms": round(self.prefill.saved_ms, 1), "decisions": dict(self.prefill.decided),
                             "continuation": self.continues.snapshot()}}
 
     async def aclose(self) -> None:
-        for t in [*self._timers.values(), *(p.task for p in self._prefills.values())]:
+        tasks = [*(t for d in self._timers.values() for t in d.values()), *(p.task for p in self._prefills.values())]
+        for t in tasks:
             t.cancel()
-        for t in [*self._timers.values(), *(p.task for p in self._prefills.values())]:
+        for t in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         if self.remote is not None:

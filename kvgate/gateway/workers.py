@@ -46,6 +46,8 @@ class WorkerState:
     last_check: float = 0.0
     reserved: int = 0
     """KV tokens of sessions parked here on short tool waits (gateway/tiering.py)."""
+    kv_capacity: int = 0
+    """GPU KV capacity in tokens: configured, else ``vllm:cache_config_info`` (blocks x block size)."""
 
     @property
     def id(self) -> WorkerId:
@@ -55,7 +57,7 @@ class WorkerState:
         return WorkerView(self.id, self.config.model, self.healthy, self.in_flight, self.running,
                           self.waiting, self.kv_usage, self.pending_prefill, self.pending_requests,
                           self.decode_requests, self.decode_tokens, self.reserved,
-                          self.config.kv_capacity_tokens, self.config.node)
+                          self.config.kv_capacity_tokens or self.kv_capacity, self.config.node)
 
 
 class WorkerPool:
@@ -162,6 +164,10 @@ class WorkerPool:
                 for sample in fam.samples:
                     if sample.name in names:
                         values[sample.name] = values.get(sample.name, 0.0) + sample.value
+                    elif sample.name == "vllm:cache_config_info":
+                        blocks, bs = sample.labels.get("num_gpu_blocks", ""), sample.labels.get("block_size", "")
+                        if blocks.isdigit() and bs.isdigit():
+                            w.kv_capacity = int(blocks) * int(bs)
         except (httpx.HTTPError, ValueError):
             return  # load is advisory; health decides eligibility
         def finite(v: float) -> float:

@@ -265,6 +265,10 @@ class EngineCore:
             # Hit blocks sitting in the free queue are not free for this request's allocation.
             free_after_touch = self.pool.num_free - sum(1 for b in hit if self.pool.is_free(b))
             if need > free_after_touch:
+                bg = next((r for r in reversed(self.running) if r.background), None)
+                if queue is self.waiting and bg is not None:
+                    self._preempt(bg)  # a paused background prefill must not hold a user's memory
+                    continue
                 break
             queue.popleft()
             self.pool.touch(hit)

@@ -41,6 +41,10 @@ class EngineCollector(Collector):
         yield self._c("vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens)
         yield self._c("vllm:generation_tokens", "Number of generation tokens processed.", s.generation_tokens)
         yield self._c("vllm:num_preemptions", "Cumulative number of preemptions.", s.preemptions)
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                 labels=["block_size", "num_gpu_blocks"])
+        info.add_metric([str(core.block_size), str(core.pool.num_blocks)], 1.0)
+        yield info
         src = CounterMetricFamily("vllm:prompt_tokens_by_source", "Prompt tokens by source.",
                                   labels=[*self._labels, "source"])
         src.add_metric([*self._labels.values(), "local_cache_hit"], s.prefix_cache_hits)

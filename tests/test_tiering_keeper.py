@@ -1,0 +1,53 @@
+"""TierKeeper's timers and reservations, without HTTP: nothing it parks may outlive its wait."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from kvgate.clock import MonotonicClock
+from kvgate.config import GatewaySettings, WorkerConfig
+from kvgate.gateway.lifecycle import Event, Lifecycle, State
+from kvgate.gateway.telemetry import GatewayMetrics
+from kvgate.gateway.tiering import TierKeeper
+from kvgate.gateway.workers import WorkerPool
+from kvgate.router.types import WorkerId
+
+W = WorkerId("w0")
+
+
+async def keeper(**kw: object) -> tuple[TierKeeper, WorkerPool, httpx.AsyncClient]:
+    settings = GatewaySettings(workers=[WorkerConfig(url="http://127.0.0.1:9", model="m", id="w0")], **kw)  # type: ignore[arg-type]
+    client = httpx.AsyncClient()
+    clock = MonotonicClock()
+    pool = WorkerPool(settings.workers, client, clock)
+    return TierKeeper(settings, pool, client, clock, GatewayMetrics()), pool, client
+
+
+async def test_a_reservation_lapses_even_when_a_parallel_branch_answers() -> None:
+    k, pool, client = await keeper(waits={"tool_priors_s": {"t": 0.05}, "deadline_factor": 2.0},
+                                   prefill={"enabled": True})
+    try:
+        gen = Lifecycle().on(Event.REQUEST, 0).on(Event.REQUEST, 0)  # two branches in flight
+        life = k.completed("c", "x", "m", gen, W, ("t",), 4000)
+        assert pool.get(W).reserved == 4000 and life.state is State.GENERATING
+        k.completed("c", "x", "m", life, W, (), 100)  # the other branch answers: a settle timer starts
+        await asyncio.sleep(0.3)
+        assert pool.get(W).reserved == 0
+    finally:
+        await k.aclose()
+        await client.aclose()
+
+
+async def test_a_retried_request_feeds_its_wait_back_once() -> None:
+    k, _pool, client = await keeper(waits={"tool_priors_s": {"t": 30.0}})
+    try:
+        life = k.completed("c", "x", "m", Lifecycle().on(Event.REQUEST, 0), W, ("t",), 10)
+        assert life.state is State.AWAITING_TOOL
+        k.arrived("c", "x", life, user_turn=False)  # this attempt fails: the stored state stays
+        k.arrived("c", "x", life, user_turn=False)  # the client retries
+        assert k.predictor.observed == 1
+    finally:
+        await k.aclose()
+        await client.aclose()
