@@ -85,3 +85,16 @@ def test_background_prefill_waits_for_foreground_prefill() -> None:
     assert {s.request.id: s.num_new for s in second.scheduled} == {"fg": 1, "bg": 8}
     run(c)
     assert bg.generated == 1 and fg.generated == 3
+
+
+def test_a_paused_background_prefill_yields_its_memory_to_a_user() -> None:
+    small = TimingProfile(name="t", source="test", block_size=4, num_blocks=41, max_num_seqs=8,
+                          max_num_batched_tokens=128, p0=1.0, p1=0.1, d0=1.0)
+    c = EngineCore(small, VllmHasher(4, seed="0"), background_chunk=128)
+    bg = SimRequest("bg", list(range(150)), [1], background=True)
+    c.add_request(bg)
+    c.finish_step(c.schedule(), 1.0)  # 128 of its tokens computed: 32 of the 40 blocks held
+    fg = SimRequest("fg", list(range(1000, 1100)), [1, 2])
+    c.add_request(fg)
+    run(c, 1.0)  # the user's 25 blocks do not fit beside it: the background request is preempted
+    assert fg.generated == 2 and bg.generated == 1 and c.stats.preemptions >= 1
