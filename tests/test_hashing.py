@@ -107,3 +107,17 @@ def test_salted_vector_captured_from_vllm_0_32() -> None:
                                                                            8466941202255889709]
     assert [event_int(x) for x in h.block_hashes(list(range(10, 300)), cache_salt="abc")] == [
         16898598243802628633, 17220228078899495496]
+
+
+def test_lmcache_keys_follow_the_reference_formula() -> None:
+    import blake3
+
+    from kvgate.router.hashing import LMCacheKeys
+
+    toks = [0, 1, 255, 256, 65535, 65536, 2**31 + 7, *range(600)]
+    prev = blake3.blake3((0).to_bytes(8, "big", signed=True) + (0).to_bytes(4, "big")).digest()
+    want = []
+    for i in range(0, len(toks) - len(toks) % 256, 256):
+        prev = blake3.blake3(prev + b"".join(t.to_bytes(4, "big") for t in toks[i : i + 256])).digest()
+        want.append(f"/m@01000100@0@{prev.hex()}")
+    assert LMCacheKeys("/m").redis_keys(toks) == want and len(want) == 2

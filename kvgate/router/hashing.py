@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import sys
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NewType
@@ -102,6 +104,16 @@ class VllmHasher:
         return out
 
 
+def _u32_be(tokens: Sequence[int]) -> bytes:
+    """Tokens as big-endian u32, at C speed (a prompt's keys are computed on the routing path)."""
+    arr = array("I", tokens)
+    if arr.itemsize != 4:  # pragma: no cover - platforms where C unsigned int is not 32 bits
+        return b"".join(t.to_bytes(4, "big") for t in tokens)
+    if sys.byteorder == "little":
+        arr.byteswap()
+    return arr.tobytes()
+
+
 @dataclass(frozen=True, slots=True)
 class LMCacheKeys:
     """The Redis keys LMCache's multiprocess server (0.5.6, blake3, RESP L2 adapter) writes for a token
@@ -120,7 +132,7 @@ class LMCacheKeys:
     @staticmethod
     def _h(prefix: bytes, tokens: Sequence[int]) -> bytes:
         h = blake3.blake3(prefix)
-        h.update(b"".join(t.to_bytes(4, "big") for t in tokens))
+        h.update(_u32_be(tokens))
         return h.digest()
 
     def chunk_hashes(self, tokens: Sequence[int]) -> list[bytes]:
