@@ -51,3 +51,24 @@ async def test_a_retried_request_feeds_its_wait_back_once() -> None:
     finally:
         await k.aclose()
         await client.aclose()
+
+
+async def test_answers_without_a_next_turn_count_as_ends_after_settle_s() -> None:
+    t = [1000.0]
+    settings = GatewaySettings(workers=[WorkerConfig(url="http://127.0.0.1:9", model="m", id="w0")],
+                               prefill={"enabled": True, "settle_s": 10.0})
+    client = httpx.AsyncClient()
+    pool = WorkerPool(settings.workers, client, MonotonicClock())
+    k = TierKeeper(settings, pool, client, MonotonicClock(), GatewayMetrics(), wall=lambda: t[0])
+    try:
+        chain, prefix = list(range(3000)), list(range(100)) + list(range(5000, 7900))
+        for cid in ("a", "b"):
+            assert k.maybe_prefill(cid, "x", "m", W, tuple(chain), prefix, 16, 0.1) == "unlikely_to_continue"
+        t[0] += 5
+        k.arrived("a", "x", Lifecycle(State.AWAITING_USER, 1000.0), user_turn=True)  # a came back in time
+        t[0] += 20
+        snap = k.snapshot()  # b did not: an end, swept on the next look
+        assert snap["prefill"]["continuation"] == {"x": [1, 1]}
+    finally:
+        await k.aclose()
+        await client.aclose()

@@ -68,13 +68,14 @@ class TierKeeper:
         self.prefill = PrefillStats.new()
         self._reserved: dict[str, tuple[WorkerId, int]] = {}
         self._timers: dict[str, dict[str, asyncio.Task[None]]] = {}
-        """Conversation -> kind (lapse, prefetch, settle) -> its pending timer."""
+        """Conversation -> kind (lapse, prefetch) -> its pending timer."""
         self._observed: OrderedDict[str, float] = OrderedDict()
         """Conversation -> start of the last wait fed back (a retried request must not count it twice)."""
         self._prefills: OrderedDict[str, _Pending] = OrderedDict()
         self.continues = ContinueStats(settings.prefill)
-        self._answer_size: OrderedDict[str, int] = OrderedDict()
-        """Conversation -> its canonical prefix after its last answer (the size continuation is counted under)."""
+        self._answers: OrderedDict[str, tuple[str, int, float]] = OrderedDict()
+        """Conversation -> (tenant, canonical prefix tokens, wall time) of its last answer, oldest first:
+        the size its continuation is counted under, and when it counts as ended (``_sweep``)."""
 
     # -- a request arrives ---------------------------------------------------------------------
     def arrived(self, conversation: str, tenant: str, life: Lifecycle,
@@ -91,9 +92,10 @@ class TierKeeper:
                 self._observed.popitem(last=False)
             over = self.predictor.observe(tenant, life.tools, waited, life.plan.predicted_s)
             self.metrics.tool_waits.labels("overrun" if over else "within").inc()
-        size = self._answer_size.pop(conversation, None)
-        if life.state is State.AWAITING_USER and user_turn and size is not None:
-            self.continues.continued(tenant, size)
+        self._sweep(now)
+        answer = self._answers.pop(conversation, None)
+        if life.state is State.AWAITING_USER and user_turn and answer is not None:
+            self.continues.continued(tenant, answer[1])
         self._unreserve(conversation)
         for t in self._timers.pop(conversation, {}).values():
             t.cancel()
@@ -154,18 +156,20 @@ class TierKeeper:
                 self._later(conversation, "prefetch", plan.prefetch_at - now,
                             lambda: self._prefetch(conversation, model, worker))
             return life
-        if self.settings.prefill.enabled:
-            self._later(conversation, "settle", self.settings.prefill.settle_s,
-                        lambda: self._ended(conversation, tenant))
         return life.on(Event.ANSWER, now)
 
-    async def _ended(self, conversation: str, tenant: str) -> None:
-        """No user turn for ``settle_s`` after an answer: the conversation ended (for this tenant's
-        continuation rate), and a prefill made for it was wasted."""
-        size = self._answer_size.pop(conversation, None)
-        if size is not None:
+    def _sweep(self, now: float) -> None:
+        """Answers older than ``settle_s`` with no user turn since: those conversations ended (for their
+        tenant's continuation rate) and a prefill made for them was wasted. Swept on traffic, oldest
+        first, instead of one sleeping task per conversation."""
+        limit = now - self.settings.prefill.settle_s
+        while self._answers:
+            cid, (tenant, size, at) = next(iter(self._answers.items()))
+            if at > limit:
+                break
+            del self._answers[cid]
             self.continues.ended(tenant, size)
-        self.settle_prefill(conversation, None)
+            self.settle_prefill(cid, None)
 
     def failed(self, life: Lifecycle) -> Lifecycle:
         return life.on(Event.FAILED, self.clock.now())
@@ -238,10 +242,12 @@ class TierKeeper:
             return "no_tokens"
         w = self.pool.get(worker)
         gain = gain_tokens(chain, prefix, block_size)
-        self._answer_size[conversation] = len(prefix)
-        self._answer_size.move_to_end(conversation)
-        while len(self._answer_size) > self.settings.max_sessions:
-            self._answer_size.popitem(last=False)
+        now = self.wall()
+        self._sweep(now)
+        self._answers.pop(conversation, None)
+        self._answers[conversation] = (tenant, len(prefix), now)  # at the end: the newest
+        while len(self._answers) > self.settings.max_sessions:
+            self._answers.popitem(last=False)
         d = decide(params, gain, self.continues.p(tenant, len(prefix)), pending_requests=w.pending_requests,
                    kv_usage=w.kv_usage)
         self.prefill.count(d)
@@ -286,6 +292,7 @@ class TierKeeper:
         return model
 
     def snapshot(self) -> dict[str, Any]:
+        self._sweep(self.wall())
         return {"waits": self.predictor.snapshot(), "reserved": {c: [w, n] for c, (w, n) in self._reserved.items()},
                 "remote_tier": None if self.remote is None else {"up": self.remote.breaker.up,
                                                                  "errors": self.remote.breaker.errors,
