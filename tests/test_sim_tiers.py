@@ -6,6 +6,7 @@ from kvgate.router.hashing import VllmHasher
 from kvgate.sim.engine import EngineCore, SimRequest
 from kvgate.sim.tiers import EngineTiers, TierPool
 from kvgate.sim.timing import TimingProfile
+from tests.test_engine import run
 
 # 4-token blocks, 8-token chunks (2 blocks), a 16-block GPU.
 PROFILE = TimingProfile(name="t", source="test", block_size=4, num_blocks=17, max_num_seqs=8,
@@ -16,15 +17,6 @@ def engine(cpu: TierPool, remote: TierPool | None, blocks: int = 17) -> EngineCo
     tiers = EngineTiers(cpu, remote, chunk_tokens=8, kv_bytes_per_token=1000, cpu_gbps=1.0, remote_gbps=0.1,
                         remote_rtt_ms=5.0)
     return EngineCore(PROFILE, VllmHasher(4, seed="0"), num_blocks=blocks, tiers=tiers)
-
-
-def run(c: EngineCore, now: float = 0.0) -> float:
-    while c.has_work():
-        plan = c.schedule()
-        assert plan.scheduled, "engine stalled"
-        now += plan.duration_ms
-        c.finish_step(plan, now)
-    return now
 
 
 def test_prompt_chunks_are_stored_and_an_evicted_prompt_loads_from_cpu() -> None:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvgate.bench.agents import SessionScript, canonical_history, next_turn_prefix
+from kvgate.bench.fleet import apply_events
 from kvgate.gateway.lifecycle import Event, Lifecycle, State
 from kvgate.gateway.prefill import ContinueStats, PrefillParams, PrefillStats, decide, gain_tokens
 from kvgate.router.cost import CostModel, CostParams
@@ -30,9 +31,9 @@ from kvgate.router.index import PrefixIndex
 from kvgate.router.residency import TierResidency
 from kvgate.router.types import ConversationId, FleetView, RouteRequest, WorkerId, WorkerView
 from kvgate.router.waits import WaitParams, WaitPlan, WaitPredictor
-from kvgate.sim.blockpool import BlockRemoved, BlockStored, KVEvent
+from kvgate.sim.blockpool import KVEvent
 from kvgate.sim.engine import EngineCore, SimRequest, StepPlan
-from kvgate.sim.tiers import EngineTiers, TierPool
+from kvgate.sim.tiers import EngineTiers, TierPool, chunk_keys
 from kvgate.sim.timing import TimingProfile
 
 MODES = ("no_tiering", "lmcache", "kvgate")
@@ -178,18 +179,10 @@ class AgentFleet:
 
     # -- what kvgate knows -------------------------------------------------------------------------
     def _apply_events(self, w: int, events: list[KVEvent]) -> None:
-        wid = self.ids[w]
-        for ev in events:
-            if isinstance(ev, BlockStored):
-                self.index.store(wid, [event_int(h) for h in ev.block_hashes])
-            elif isinstance(ev, BlockRemoved):
-                self.index.remove(wid, [event_int(h) for h in ev.block_hashes])
-            else:
-                self.index.clear(wid)
+        apply_events(self.index, self.ids[w], events)
 
     def _chunk_keys(self, hashes: list[BlockHash]) -> list[BlockHash]:
-        per = self.tiercfg.chunk_tokens // self.profile.block_size
-        return [hashes[i] for i in range(per - 1, len(hashes), per)]
+        return chunk_keys(hashes, self.profile.block_size, self.tiercfg.chunk_tokens)
 
     def _tier_prefix(self, pool: TierPool, keys: list[BlockHash]) -> int:
         n = 0

@@ -54,6 +54,18 @@ class _Acct:
     decode_tokens: int = 0
 
 
+def apply_events(index: PrefixIndex, wid: WorkerId, events: list[KVEvent]) -> None:
+    """A simulated engine's KV events into kvgate's index, applied directly (the wire format is covered
+    by the engine tests)."""
+    for ev in events:
+        if isinstance(ev, BlockStored):
+            index.store(wid, [event_int(h) for h in ev.block_hashes])
+        elif isinstance(ev, BlockRemoved):
+            index.remove(wid, [event_int(h) for h in ev.block_hashes])
+        else:
+            index.clear(wid)
+
+
 class FleetSim:
     def __init__(self, n_workers: int, profile: TimingProfile, mode: str, *,
                  cost: CostParams | None = None, approx_ttl_s: float = 120.0, hash_seed: str = "0") -> None:
@@ -99,16 +111,8 @@ class FleetSim:
 
     # -- events from the engines -------------------------------------------------------------------
     def _apply_events(self, w: int, events: list[KVEvent]) -> None:
-        if not events or self.mode != "kvgate_precise":
-            return
-        wid = self.ids[w]
-        for ev in events:  # applied directly: the wire format is covered by the engine tests
-            if isinstance(ev, BlockStored):
-                self.index.store(wid, [event_int(h) for h in ev.block_hashes])
-            elif isinstance(ev, BlockRemoved):
-                self.index.remove(wid, [event_int(h) for h in ev.block_hashes])
-            else:
-                self.index.clear(wid)
+        if events and self.mode == "kvgate_precise":
+            apply_events(self.index, self.ids[w], events)
 
     # -- the loop ----------------------------------------------------------------------------------
     def run(self, trace: Sequence[TraceRequest]) -> list[Result]:

@@ -19,6 +19,12 @@ from dataclasses import dataclass
 from kvgate.router.hashing import BlockHash
 
 
+def chunk_keys(hashes: Sequence[BlockHash], block_size: int, chunk_tokens: int) -> list[BlockHash]:
+    """The key of every full chunk covered by ``hashes`` (one per block): the hash of its last block."""
+    per = chunk_tokens // block_size
+    return [hashes[i] for i in range(per - 1, len(hashes), per)]
+
+
 class TierPool:
     """An LRU of chunk keys; ``capacity`` in chunks, None for unbounded."""
 
@@ -69,9 +75,7 @@ class EngineTiers:
     """LMCache's ``save_decode_cache``: also store chunks of generated tokens."""
 
     def chunk_keys(self, hashes: Sequence[BlockHash], block_size: int) -> list[BlockHash]:
-        """The key of every full chunk covered by ``hashes`` (one per block)."""
-        per = self.chunk_tokens // block_size
-        return [hashes[i] for i in range(per - 1, len(hashes), per)]
+        return chunk_keys(hashes, block_size, self.chunk_tokens)
 
     def lookup(self, keys: Sequence[BlockHash]) -> list[str]:
         """Where each leading chunk is (``cpu`` or ``remote``), up to the first one no tier holds."""
