@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from kvgate.gateway.prefill import ContinueStats, PrefillParams, PrefillStats, decide, gain_tokens, p_continue
+from kvgate.gateway.prompts import common_prefix
 
 
 def test_gain_counts_whole_blocks_after_the_divergence() -> None:
     chain = list(range(1000))  # P | R | A as cached
     nxt = list(range(300)) + list(range(5000, 5700))  # P | A: the reasoning after token 300 dropped
-    assert gain_tokens(chain, nxt, 128) == 1000 // 128 * 128 - 256  # blocks 2.. of P|A, block 2 partly shared
-    assert gain_tokens(chain, chain[:900], 128) == 0  # nothing dropped: the chain already holds it
+    assert gain_tokens(common_prefix(chain, nxt), len(nxt), 128) == 1000 // 128 * 128 - 256  # block 2 partly shared
+    assert gain_tokens(common_prefix(chain, chain[:900]), 900, 128) == 0  # nothing dropped: the chain holds it
 
 
 def test_decision_reasons() -> None:

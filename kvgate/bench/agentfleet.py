@@ -25,6 +25,7 @@ from kvgate.bench.agents import SessionScript, canonical_history, next_turn_pref
 from kvgate.bench.fleet import apply_events
 from kvgate.gateway.lifecycle import Event, Lifecycle, State
 from kvgate.gateway.prefill import ContinueStats, PrefillParams, PrefillStats, decide, gain_tokens
+from kvgate.gateway.prompts import common_prefix
 from kvgate.router.cost import CostModel, CostParams
 from kvgate.router.hashing import BlockHash, VllmHasher, event_int
 from kvgate.router.index import PrefixIndex
@@ -220,23 +221,14 @@ class AgentFleet:
         assert d is not None
         return self.ids.index(d.worker), d.expected_cached_tokens
 
-    def _hashes(self, s: _Session, tokens: list[int]) -> tuple[list[BlockHash], int]:
+    def _hashes(self, s: _Session, tokens: list[int], common: int | None = None) -> tuple[list[BlockHash], int]:
         """Block hashes of ``tokens``, reusing the session's chain hashes over the common prefix, and the
         tokens in common with the chain."""
         bs = self.profile.block_size
-        lo, hi = 0, min(len(s.chain_hashes), len(tokens) // bs)
-        while lo < hi:  # longest common prefix in whole blocks, by slice comparisons at C speed
-            mid = (lo + hi + 1) // 2
-            if s.chain[: mid * bs] == tokens[: mid * bs]:
-                lo = mid
-            else:
-                hi = mid - 1
+        if common is None:
+            common = common_prefix(s.chain, tokens)
+        lo = min(len(s.chain_hashes), common // bs, len(tokens) // bs)
         head = s.chain_hashes[:lo]
-        common = lo * bs
-        n = min(len(s.chain), len(tokens))
-        if s.chain[:common] == tokens[:common]:  # beyond the hashed blocks: extend token by token
-            while common < n and s.chain[common] == tokens[common]:
-                common += 1
         return head + self.hasher.block_hashes(tokens[lo * bs:], parent=head[-1] if head else None,
                                                start_block=lo), common
 
@@ -469,7 +461,8 @@ class AgentFleet:
                        now: float) -> None:
         prefix = next_turn_prefix(s.script, last)
         bs = self.profile.block_size
-        gain = gain_tokens(s.chain, prefix, bs)
+        divergence = common_prefix(s.chain, prefix)
+        gain = gain_tokens(divergence, len(prefix), bs)
         d = decide(self.prefill_params, gain, self.continues.p(s.script.agent_type, len(prefix)),
                    pending_requests=self.pending_n[w],
                    kv_usage=self.engines[w].pool.usage())
@@ -477,7 +470,7 @@ class AgentFleet:
         if not d.issue:
             return
         sr = SimRequest(f"{s.script.id}/bg{last}", prefix, [0], arrival=now, background=True)
-        sr.hashes, divergence = self._hashes(s, prefix)
+        sr.hashes, _ = self._hashes(s, prefix, divergence)
         c = self.policy.params
         s.prefill = _Prefill(sr, w, divergence, c.p1_ms * gain + c.p_attn_ms * gain * divergence / 1e6)
         by_req[sr.id] = (s, None)

@@ -26,6 +26,7 @@ import httpx
 
 from kvgate.config import GatewaySettings, WorkerConfig
 from kvgate.gateway.app import create_app
+from kvgate.gateway.proxy import Usage
 from kvgate.serving import start_server
 
 MODEL = "kvgate-tiny"
@@ -92,7 +93,8 @@ async def _complete(h: httpx.AsyncClient, url: str, conv: str, prompt: list[int]
 
 
 def _cached(r: httpx.Response) -> int:
-    return int(((r.json().get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    usage = Usage.parse(r.json().get("usage"))
+    return usage.cached_tokens if usage else 0
 
 
 async def resume_after_eviction(e: Engine, rounds: int = 3, seed: int = 0) -> RealResult:

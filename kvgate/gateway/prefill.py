@@ -61,14 +61,10 @@ class PrefillDecision:
     p_continue: float = 0.0
 
 
-def gain_tokens(cached_chain: tuple[int, ...] | list[int], next_prefix: tuple[int, ...] | list[int],
-                block_size: int) -> int:
-    """Tokens of ``next_prefix`` (whole blocks) that the cached chain does not already hold."""
-    n = min(len(cached_chain), len(next_prefix))
-    common = 0
-    while common < n and cached_chain[common] == next_prefix[common]:
-        common += 1
-    full = len(next_prefix) // block_size * block_size
+def gain_tokens(common: int, prefix_len: int, block_size: int) -> int:
+    """Tokens of the next-turn prefix (whole blocks) that the cached chain does not already hold, given
+    the two's common prefix (``gateway.prompts.common_prefix``): the divergence point."""
+    full = prefix_len // block_size * block_size
     return max(0, full - common // block_size * block_size)
 
 

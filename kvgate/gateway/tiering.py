@@ -27,6 +27,7 @@ from kvgate.clock import Clock
 from kvgate.config import GatewaySettings
 from kvgate.gateway.lifecycle import Event, Lifecycle, State
 from kvgate.gateway.prefill import ContinueStats, PrefillStats, decide, gain_tokens
+from kvgate.gateway.prompts import common_prefix
 from kvgate.gateway.telemetry import GatewayMetrics
 from kvgate.gateway.workers import WorkerPool
 from kvgate.kvstore.tiers import LMCacheControl, RemoteTierProbe
@@ -241,7 +242,8 @@ class TierKeeper:
             self.metrics.prefill_decisions.labels("no_tokens").inc()
             return "no_tokens"
         w = self.pool.get(worker)
-        gain = gain_tokens(chain, prefix, block_size)
+        divergence = common_prefix(chain, prefix)
+        gain = gain_tokens(divergence, len(prefix), block_size)
         now = self.wall()
         self._sweep(now)
         self._answers.pop(conversation, None)
@@ -255,8 +257,6 @@ class TierKeeper:
         if not d.issue:
             return d.reason
         self.settle_prefill(conversation, None)  # an older one nobody used
-        n = len(chain)
-        divergence = next((i for i in range(min(n, len(prefix))) if chain[i] != prefix[i]), min(n, len(prefix)))
         task = asyncio.get_running_loop().create_task(self._send_prefill(model, worker, prefix),
                                                       name=f"prefill:{conversation}")
         self._prefills[conversation] = _Pending(worker, len(prefix), divergence, p1_ms * gain, task, self.clock.now())
