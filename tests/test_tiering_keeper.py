@@ -1,4 +1,5 @@
-"""TierKeeper's timers and reservations, without HTTP: nothing it parks may outlive its wait."""
+"""TierKeeper's timers and reservations, and BackgroundPrefill's settling, without HTTP: nothing they
+park may outlive its wait."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import httpx
 
 from kvgate.clock import MonotonicClock
 from kvgate.config import GatewaySettings, WorkerConfig
+from kvgate.gateway.background_prefill import BackgroundPrefill
 from kvgate.gateway.lifecycle import Event, Lifecycle, State
 from kvgate.gateway.telemetry import GatewayMetrics
 from kvgate.gateway.tiering import TierKeeper
@@ -45,8 +47,8 @@ async def test_a_retried_request_feeds_its_wait_back_once() -> None:
     try:
         life = k.completed("c", "x", "m", Lifecycle().on(Event.REQUEST, 0), W, ("t",), 10)
         assert life.state is State.AWAITING_TOOL
-        k.arrived("c", "x", life, user_turn=False)  # this attempt fails: the stored state stays
-        k.arrived("c", "x", life, user_turn=False)  # the client retries
+        k.arrived("c", "x", life)  # this attempt fails: the stored state stays
+        k.arrived("c", "x", life)  # the client retries
         assert k.predictor.observed == 1
     finally:
         await k.aclose()
@@ -59,16 +61,16 @@ async def test_answers_without_a_next_turn_count_as_ends_after_settle_s() -> Non
                                prefill={"enabled": True, "settle_s": 10.0})
     client = httpx.AsyncClient()
     pool = WorkerPool(settings.workers, client, MonotonicClock())
-    k = TierKeeper(settings, pool, client, MonotonicClock(), GatewayMetrics(), wall=lambda: t[0])
+    k = BackgroundPrefill(settings, pool, client, GatewayMetrics(), wall=lambda: t[0])
     try:
         chain, prefix = list(range(3000)), list(range(100)) + list(range(5000, 7900))
         for cid in ("a", "b"):
-            assert k.maybe_prefill(cid, "x", "m", W, tuple(chain), prefix, 16, 0.1) == "unlikely_to_continue"
+            assert k.after_answer(cid, "x", "m", W, tuple(chain), prefix, 16, 0.1) == "unlikely_to_continue"
         t[0] += 5
-        k.arrived("a", "x", Lifecycle(State.AWAITING_USER, 1000.0), user_turn=True)  # a came back in time
+        k.arrived("a", "x", next_user_turn=True)  # a came back in time
         t[0] += 20
         snap = k.snapshot()  # b did not: an end, swept on the next look
-        assert snap["prefill"]["continuation"] == {"x": [1, 1]}
+        assert snap["continuation"] == {"x": [1, 1]}
     finally:
         await k.aclose()
         await client.aclose()

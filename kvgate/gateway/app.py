@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvgate.clock import Clock, MonotonicClock
 from kvgate.config import GatewaySettings
 from kvgate.errors import error_body
+from kvgate.gateway.background_prefill import BackgroundPrefill
 from kvgate.gateway.kvevents import KvEventSubscriber
 from kvgate.gateway.prefix import PrefixKnowledge
 from kvgate.gateway.prompts import PromptBuilder
@@ -87,10 +88,11 @@ class Gateway:
                                 self.prompts, settings.max_tracked_conversations)
         # Lifecycle times are shared through the session store: wall time unless the clock is virtual.
         wall = time.time if isinstance(self.clock, MonotonicClock) else self.clock.now
-        self.tiers = TierKeeper(settings, self.pool, self.client, self.clock, self.metrics, wall)
-        self.tiers.tokens_of = self.turns.chain_tokens
+        self.tiers = TierKeeper(settings, self.pool, self.client, self.clock, self.metrics, wall,
+                                self.turns.chain_tokens)
+        self.prefills = BackgroundPrefill(settings, self.pool, self.client, self.metrics, wall)
         self.proxy = Proxy(settings, self.pool, self.policy, self.sessions, self.metrics, self.client, self.clock,
-                           self.prompts, self.prefix, self.turns, self.tiers)
+                           self.prompts, self.prefix, self.turns, self.tiers, self.prefills)
         self.metrics.registry.register(PrefixCollector(self))
         self.draining = False
 
@@ -117,6 +119,7 @@ class Gateway:
         self.pool.start()
 
     async def stop(self) -> None:
+        await self.prefills.aclose()
         await self.tiers.aclose()
         await self.pool.stop()
         await self.subscriber.stop()
@@ -219,7 +222,7 @@ def create_app(settings: GatewaySettings, clock: Clock | None = None,
     @app.get("/admin/tiers")
     async def tiers() -> dict[str, Any]:
         """Tool-wait predictions, reservations, tier adapters' state and background prefill counters."""
-        return gw.tiers.snapshot()
+        return {**gw.tiers.snapshot(), "prefill": gw.prefills.snapshot()}
 
     @app.get("/admin/workers")
     async def workers() -> dict[str, Any]:

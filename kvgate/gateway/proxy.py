@@ -24,8 +24,9 @@ from kvgate.clock import Clock
 from kvgate.config import GatewaySettings
 from kvgate.errors import ApiError, BadRequest, Conflict, NotFound, PayloadTooLarge, ServiceUnavailable
 from kvgate.gateway import identity
+from kvgate.gateway.background_prefill import BackgroundPrefill
 from kvgate.gateway.history import Canonical
-from kvgate.gateway.lifecycle import Lifecycle
+from kvgate.gateway.lifecycle import Lifecycle, State
 from kvgate.gateway.loss import PromptLoss, explain_cache
 from kvgate.gateway.prefix import PrefixKnowledge
 from kvgate.gateway.prompts import Prompt, PromptBuilder
@@ -107,7 +108,8 @@ class _Turn:
 class Proxy:
     def __init__(self, settings: GatewaySettings, pool: WorkerPool, policy: Policy, sessions: SessionStore,
                  metrics: GatewayMetrics, client: httpx.AsyncClient, clock: Clock, prompts: PromptBuilder,
-                 prefix: PrefixKnowledge, turns: TurnKeeper, tiers: TierKeeper) -> None:
+                 prefix: PrefixKnowledge, turns: TurnKeeper, tiers: TierKeeper,
+                 prefills: BackgroundPrefill) -> None:
         self.settings = settings
         self.pool = pool
         self.policy = policy
@@ -119,6 +121,7 @@ class Proxy:
         self.prefix = prefix
         self.turns = turns
         self.tiers = tiers
+        self.prefills = prefills
         self._background: set[asyncio.Task[None]] = set()
 
     # -- entry ---------------------------------------------------------------------------------
@@ -192,8 +195,10 @@ class Proxy:
         msgs = body.get("messages") if endpoint == "chat" else None
         user_turn = isinstance(msgs, list) and bool(msgs) and isinstance(msgs[-1], dict) \
             and msgs[-1].get("role") == "user"
-        life, force = self.tiers.arrived(ident.conversation_id, ident.tenant,
-                                         session.lifecycle if session else Lifecycle(), user_turn)
+        before = session.lifecycle if session else Lifecycle()
+        life = self.tiers.arrived(ident.conversation_id, ident.tenant, before)
+        force = self.prefills.arrived(ident.conversation_id, ident.tenant,
+                                      user_turn and before.state is State.AWAITING_USER)
         return await self._route_and_send(request, endpoint, model, ident, session, prompt, payload, headers,
                                           stream, hide_usage, turn, life, force)
 
@@ -475,7 +480,7 @@ class Proxy:
             self.turns.completed(ctx.ident.conversation_id, ctx.turn.canonical.messages, ctx.reply, ctx.response_id,
                                  ctx.turn.tools, ctx.model)
         cid = ctx.ident.conversation_id
-        self.tiers.settle_prefill(cid, ctx.usage.cached_tokens if ctx.usage else None)
+        self.prefills.settle(cid, ctx.usage.cached_tokens if ctx.usage else None)
         tools = tuple(str((c.get("function") or {}).get("name") or "") for c in ctx.reply.calls.values())
         life = ctx.life
         try:
@@ -509,9 +514,9 @@ class Proxy:
     async def _after_answer(self, ctx: _Ctx, wid: WorkerId, protocol: ModelProtocol) -> None:
         cid = ctx.ident.conversation_id
         try:
-            self.tiers.maybe_prefill(cid, ctx.ident.tenant, ctx.model, wid, self.turns.chain_tokens(cid),
-                                     self.turns.next_turn_prefix(ctx.model, cid, protocol),
-                                     self.prefix.block_size(ctx.model), self.settings.cost.p1_ms)
+            self.prefills.after_answer(cid, ctx.ident.tenant, ctx.model, wid, self.turns.chain_tokens(cid),
+                                       self.turns.next_turn_prefix(ctx.model, cid, protocol),
+                                       self.prefix.block_size(ctx.model), self.settings.cost.p1_ms)
         except Exception as exc:  # advisory: a prefill decision never fails anything
             log.warning("background prefill decision for %s: %r", cid, exc)
 

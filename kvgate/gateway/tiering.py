@@ -1,14 +1,14 @@
-"""What happens to a session's KV between its requests: the gateway side of the lifecycle.
+"""What happens to a session's KV between its requests: the gateway side of the lifecycle and tiers.
 
 - On a request: the lifecycle moves to ``generating``; a tool wait that just ended is measured and
-  fed back to the predictor; the session's reservation is released; a background prefill still
-  running pins the request to its worker; the tiers are asked how much of the prompt they hold.
+  fed back to the predictor; the session's reservation is released; the tiers are asked how much of
+  the prompt they hold.
 - On a response: ``awaiting_tool`` (with a plan: reserve the KV on the home worker, or release it and
   prefetch it into the node's LMCache L1 shortly before the predicted resume) or ``awaiting_user``
-  (with, if the rule says so, a background prefill of the canonical branch).
+  (background prefill of the canonical branch is ``gateway/background_prefill.py``'s).
 
-Everything here is advisory: a prediction, prefetch or prefill that fails is counted and logged, and
-the user's request goes on as if tiers were empty.
+Everything here is advisory: a prediction or prefetch that fails is counted and logged, and the user's
+request goes on as if tiers were empty.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import contextlib
 import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -26,8 +25,6 @@ import httpx
 from kvgate.clock import Clock
 from kvgate.config import GatewaySettings
 from kvgate.gateway.lifecycle import Event, Lifecycle, State
-from kvgate.gateway.prefill import ContinueStats, PrefillStats, decide, gain_tokens
-from kvgate.gateway.prompts import common_prefix
 from kvgate.gateway.telemetry import GatewayMetrics
 from kvgate.gateway.workers import WorkerPool
 from kvgate.kvstore.tiers import LMCacheControl, RemoteTierProbe
@@ -38,19 +35,10 @@ from kvgate.router.waits import WaitPredictor
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class _Pending:
-    worker: WorkerId
-    prefix_tokens: int
-    divergence: int
-    gain_ms: float
-    task: asyncio.Task[bool]
-    issued: float
-
-
 class TierKeeper:
     def __init__(self, settings: GatewaySettings, pool: WorkerPool, client: httpx.AsyncClient, clock: Clock,
-                 metrics: GatewayMetrics, wall: Callable[[], float] | None = None) -> None:
+                 metrics: GatewayMetrics, wall: Callable[[], float] | None = None,
+                 chain_tokens: Callable[[str], tuple[int, ...] | None] = lambda _: None) -> None:
         self.settings = settings
         self.pool = pool
         self.client = client
@@ -66,23 +54,17 @@ class TierKeeper:
                        if settings.tier_redis_url else None)
         self.lmcache = {w.id: LMCacheControl(w.lmcache_url, client, clock.now, retry_s=settings.tier_retry_s)
                         for w in settings.workers if w.lmcache_url}
-        self.prefill = PrefillStats.new()
+        self.chain_tokens = chain_tokens
+        """The conversation's cached chain (what a prefetch warms)."""
         self._reserved: dict[str, tuple[WorkerId, int]] = {}
         self._timers: dict[str, dict[str, asyncio.Task[None]]] = {}
         """Conversation -> kind (lapse, prefetch) -> its pending timer."""
         self._observed: OrderedDict[str, float] = OrderedDict()
         """Conversation -> start of the last wait fed back (a retried request must not count it twice)."""
-        self._prefills: OrderedDict[str, _Pending] = OrderedDict()
-        self.continues = ContinueStats(settings.prefill)
-        self._answers: OrderedDict[str, tuple[str, int, float]] = OrderedDict()
-        """Conversation -> (tenant, canonical prefix tokens, wall time) of its last answer, oldest first:
-        the size its continuation is counted under, and when it counts as ended (``_sweep``)."""
 
     # -- a request arrives ---------------------------------------------------------------------
-    def arrived(self, conversation: str, tenant: str, life: Lifecycle,
-                user_turn: bool) -> tuple[Lifecycle, WorkerId | None]:
-        """Apply the request to the lifecycle; returns the new lifecycle and a worker the request must go
-        to (a background prefill of its prefix is running there), if any."""
+    def arrived(self, conversation: str, tenant: str, life: Lifecycle) -> Lifecycle:
+        """Apply the request to the lifecycle; returns the new lifecycle."""
         now = self.wall()
         waited = now - life.since
         if life.state is State.AWAITING_TOOL and life.plan is not None and waited >= 0 \
@@ -93,23 +75,10 @@ class TierKeeper:
                 self._observed.popitem(last=False)
             over = self.predictor.observe(tenant, life.tools, waited, life.plan.predicted_s)
             self.metrics.tool_waits.labels("overrun" if over else "within").inc()
-        self._sweep(now)
-        answer = self._answers.pop(conversation, None)
-        if life.state is State.AWAITING_USER and user_turn and answer is not None:
-            self.continues.continued(tenant, answer[1])
         self._unreserve(conversation)
         for t in self._timers.pop(conversation, {}).values():
             t.cancel()
-        force = None
-        pending = self._prefills.get(conversation)
-        if pending is not None and not pending.task.done():
-            # The next request came first: it goes where the prefill ran, and the prefill stops (vLLM
-            # aborts it; the blocks it finished stay cached for this request).
-            force = pending.worker
-            pending.task.cancel()
-            self.prefill.skipped += 1
-            self.metrics.prefills.labels("skipped").inc()
-        return life.on(Event.REQUEST, now), force
+        return life.on(Event.REQUEST, now)
 
     async def tier_tokens(self, model: str, conversation: str, tokens: tuple[int, ...] | None,
                           best_gpu_tokens: int) -> tuple[dict[str, int], int]:
@@ -128,21 +97,6 @@ class TierKeeper:
         node = self.pool.get(worker).config.node or worker
         self.residency.stored(conversation, node, prompt_tokens, self.clock.now())
 
-    def settle_prefill(self, conversation: str, cached_tokens: int | None) -> None:
-        """The conversation's next request got its usage: was the prefill's work reused?"""
-        p = self._prefills.pop(conversation, None)
-        if p is None:
-            return
-        if not p.task.done():
-            p.task.cancel()
-        if cached_tokens is not None and cached_tokens > p.divergence:
-            self.prefill.used += 1
-            self.prefill.saved_ms += p.gain_ms
-            self.metrics.prefills.labels("used").inc()
-        else:
-            self.prefill.wasted += 1
-            self.metrics.prefills.labels("wasted").inc()
-
     # -- a response ended ----------------------------------------------------------------------
     def completed(self, conversation: str, tenant: str, model: str, life: Lifecycle, worker: WorkerId,
                   tools: tuple[str, ...], kv_tokens: int) -> Lifecycle:
@@ -158,22 +112,6 @@ class TierKeeper:
                             lambda: self._prefetch(conversation, model, worker))
             return life
         return life.on(Event.ANSWER, now)
-
-    def _sweep(self, now: float) -> None:
-        """Answers older than ``settle_s`` with no user turn since: those conversations ended (for their
-        tenant's continuation rate) and a prefill made for them was wasted. Swept on traffic, oldest
-        first, instead of one sleeping task per conversation."""
-        limit = now - self.settings.prefill.settle_s
-        while self._answers:
-            cid, (tenant, size, at) = next(iter(self._answers.items()))
-            if at > limit:
-                break
-            del self._answers[cid]
-            self.continues.ended(tenant, size)
-            self.settle_prefill(cid, None)
-
-    def failed(self, life: Lifecycle) -> Lifecycle:
-        return life.on(Event.FAILED, self.clock.now())
 
     def _reserve(self, conversation: str, worker: WorkerId, tokens: int, hold_s: float) -> None:
         self._unreserve(conversation)
@@ -218,12 +156,9 @@ class TierKeeper:
         timers[kind] = task
 
     # -- prefetch --------------------------------------------------------------------------------
-    tokens_of: Any = None
-    """``(conversation) -> tokens | None``: the conversation's cached chain (set by the gateway)."""
-
     async def _prefetch(self, conversation: str, model: str, worker: WorkerId) -> None:
         ctl = self.lmcache[worker]
-        tokens = self.tokens_of(conversation) if self.tokens_of else None
+        tokens = self.chain_tokens(conversation)
         if not tokens:
             return
         rid = await ctl.prefetch(self._model_path(model), tokens)
@@ -232,59 +167,6 @@ class TierKeeper:
             node = self.pool.get(worker).config.node or worker
             self.residency.prefetched(conversation, node, len(tokens), self.clock.now())
 
-    # -- background prefill ------------------------------------------------------------------------
-    def maybe_prefill(self, conversation: str, tenant: str, model: str, worker: WorkerId, chain: tuple[int, ...] | None,
-                      prefix: list[int] | None, block_size: int, p1_ms: float) -> str:
-        params = self.settings.prefill
-        if not params.enabled:
-            return "disabled"
-        if chain is None or prefix is None:
-            self.metrics.prefill_decisions.labels("no_tokens").inc()
-            return "no_tokens"
-        w = self.pool.get(worker)
-        divergence = common_prefix(chain, prefix)
-        gain = gain_tokens(divergence, len(prefix), block_size)
-        now = self.wall()
-        self._sweep(now)
-        self._answers.pop(conversation, None)
-        self._answers[conversation] = (tenant, len(prefix), now)  # at the end: the newest
-        while len(self._answers) > self.settings.max_sessions:
-            self._answers.popitem(last=False)
-        d = decide(params, gain, self.continues.p(tenant, len(prefix)), pending_requests=w.pending_requests,
-                   kv_usage=w.kv_usage)
-        self.prefill.count(d)
-        self.metrics.prefill_decisions.labels(d.reason).inc()
-        if not d.issue:
-            return d.reason
-        self.settle_prefill(conversation, None)  # an older one nobody used
-        task = asyncio.get_running_loop().create_task(self._send_prefill(model, worker, prefix),
-                                                      name=f"prefill:{conversation}")
-        self._prefills[conversation] = _Pending(worker, len(prefix), divergence, p1_ms * gain, task, self.clock.now())
-        self._prefills.move_to_end(conversation)
-        while len(self._prefills) > self.settings.max_sessions:
-            self.settle_prefill(next(iter(self._prefills)), None)
-        self.metrics.prefills.labels("issued").inc()
-        return d.reason
-
-    async def _send_prefill(self, model: str, worker: WorkerId, prefix: list[int]) -> bool:
-        body: dict[str, Any] = {"model": model, "prompt": prefix, "max_tokens": 1, "temperature": 0}
-        if self.settings.prefill_priority is not None:
-            body["priority"] = self.settings.prefill_priority
-        # Counted in the worker's queue like any request, so routing sees the work it adds.
-        self.pool.acquire(worker, len(prefix))
-        try:
-            r = await self.client.post(f"{self.pool.get(worker).config.url}/v1/completions", json=body)
-            ok = r.status_code == 200
-        except httpx.HTTPError as exc:
-            log.warning("background prefill failed: %r", exc)
-            ok = False
-        finally:
-            self.pool.release(worker, len(prefix))
-        self.prefill.completed += ok
-        self.prefill.failed += not ok
-        self.metrics.prefills.labels("completed" if ok else "failed").inc()
-        return ok
-
     def _model_path(self, model: str) -> str:
         for w in self.settings.workers:
             if w.model == model and w.lmcache_model:
@@ -292,21 +174,15 @@ class TierKeeper:
         return model
 
     def snapshot(self) -> dict[str, Any]:
-        self._sweep(self.wall())
         return {"waits": self.predictor.snapshot(), "reserved": {c: [w, n] for c, (w, n) in self._reserved.items()},
                 "remote_tier": None if self.remote is None else {"up": self.remote.breaker.up,
                                                                  "errors": self.remote.breaker.errors,
                                                                  "lookups": self.remote.lookups},
                 "lmcache": {w: {"up": c.breaker.up, "errors": c.breaker.errors, "prefetches": c.prefetches}
-                            for w, c in self.lmcache.items()},
-                "prefill": {"issued": self.prefill.issued, "completed": self.prefill.completed,
-                            "failed": self.prefill.failed, "used": self.prefill.used, "wasted": self.prefill.wasted,
-                            "skipped": self.prefill.skipped,
-                            "saved_ms": round(self.prefill.saved_ms, 1), "decisions": dict(self.prefill.decided),
-                            "continuation": self.continues.snapshot()}}
+                            for w, c in self.lmcache.items()}}
 
     async def aclose(self) -> None:
-        tasks = [*(t for d in self._timers.values() for t in d.values()), *(p.task for p in self._prefills.values())]
+        tasks = [t for d in self._timers.values() for t in d.values()]
         for t in tasks:
             t.cancel()
         for t in tasks:

@@ -53,6 +53,3 @@ class TierResidency:
         if remote_tokens <= 0:
             return {}
         return {n: min(t, remote_tokens) for n, (t, at) in nodes.items() if now - at <= self.ttl_s}
-
-    def forget(self, conversation: str) -> None:
-        self._cpu.pop(conversation, None)
