@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvgate.bench.agents import SessionScript, canonical_history, next_turn_prefix
-from kvgate.bench.fleet import apply_events
+from kvgate.bench.fleet import Accounting, apply_events, next_step
 from kvgate.gateway.lifecycle import Event, Lifecycle, State
 from kvgate.gateway.prefill import ContinueStats, PrefillParams, PrefillStats, decide, gain_tokens
 from kvgate.gateway.prompts import common_prefix
@@ -30,7 +30,7 @@ from kvgate.router.cost import CostModel, CostParams
 from kvgate.router.hashing import BlockHash, VllmHasher, event_int
 from kvgate.router.index import PrefixIndex
 from kvgate.router.residency import TierResidency
-from kvgate.router.types import ConversationId, FleetView, RouteRequest, WorkerId, WorkerView
+from kvgate.router.types import ConversationId, FleetView, RouteRequest, WorkerId
 from kvgate.router.waits import WaitParams, WaitPlan, WaitPredictor
 from kvgate.sim.blockpool import KVEvent
 from kvgate.sim.engine import EngineCore, SimRequest, StepPlan
@@ -95,8 +95,6 @@ class _Session:
     life: Lifecycle = field(default_factory=Lifecycle)
     reserved: tuple[int, int] | None = None
     """(worker, tokens) counted as reserved while a short tool wait lasts."""
-    continued: int = 0
-    ended: int = 0
     answer_size: int = 0
     """Tokens of the canonical prefix after the last answer (the size its continuation is counted under)."""
     prefill: _Prefill | None = None
@@ -163,19 +161,12 @@ class AgentFleet:
         self.prefill_params = prefill_params or PrefillParams()
         self.prefill_stats = PrefillStats.new()
         self.reserved = [0] * n_workers
-        self.in_flight = [0] * n_workers
-        self.pending = [0] * n_workers
-        self.pending_n = [0] * n_workers
-        self.decoding = [0] * n_workers
-        self.decoding_tokens = [0] * n_workers
-        self.prefetches = 0
-        self.prefetched_tokens = 0
+        self.acct = [Accounting() for _ in range(n_workers)]
         self.reserved_samples: list[int] = []
         self.residency = TierResidency(chunk_tokens=tc.chunk_tokens)
         self.now = 0.0
         self.bg_computed = 0
         self.continues = continues or ContinueStats(self.prefill_params)
-        self.waste = {"ended": 0, "not_reused": 0}
         """Per tenant (agent type) and size: answers followed by another user turn, or not."""
 
     # -- what kvgate knows -------------------------------------------------------------------------
@@ -185,22 +176,12 @@ class AgentFleet:
     def _chunk_keys(self, hashes: list[BlockHash]) -> list[BlockHash]:
         return chunk_keys(hashes, self.profile.block_size, self.tiercfg.chunk_tokens)
 
-    def _tier_prefix(self, pool: TierPool, keys: list[BlockHash]) -> int:
-        n = 0
-        for k in keys:
-            if k not in pool:
-                break
-            n += 1
-        return n * self.tiercfg.chunk_tokens
-
     def _views(self) -> FleetView:
         cap = self.profile.num_blocks * self.profile.block_size
         return FleetView(tuple(
-            WorkerView(wid, "m", True, self.in_flight[i], pending_prefill_tokens=self.pending[i],
-                       pending_requests=self.pending_n[i], decode_requests=self.decoding[i],
-                       decode_tokens=self.decoding_tokens[i], kv_usage=self.engines[i].pool.usage(),
-                       reserved_tokens=self.reserved[i] if self.mode == "kvgate" else 0,
-                       kv_capacity_tokens=cap, node=self.nodes[i])
+            self.acct[i].view(wid, kv_usage=self.engines[i].pool.usage(),
+                              reserved_tokens=self.reserved[i] if self.mode == "kvgate" else 0,
+                              kv_capacity_tokens=cap, node=self.nodes[i])
             for i, wid in enumerate(self.ids)))
 
     def _route(self, s: _Session, prompt: int, hashes: list[BlockHash], force: int | None) -> tuple[int, int]:
@@ -212,7 +193,7 @@ class AgentFleet:
         remote = 0
         if self.mode == "kvgate":
             # Remote: checked (Redis EXISTS on the keys); CPU: kvgate's estimate, capped by the remote answer.
-            remote = self._tier_prefix(self.remote, self._chunk_keys(hashes))
+            remote = self.remote.leading(self._chunk_keys(hashes)) * self.tiercfg.chunk_tokens
             cpu = self.residency.cpu_tokens(s.script.id, remote, self.now)
         req = RouteRequest("m", ConversationId(s.script.id), self.ids[s.home] if s.home is not None else None,
                            prompt_tokens=prompt, matched_blocks=matched, block_size=self.profile.block_size,
@@ -257,25 +238,15 @@ class AgentFleet:
 
         def start(w: int, now: float) -> None:
             core = self.engines[w]
-            if not core.has_work():
-                busy[w] = False
-                return
             # Decode runs in bursts up to the next known arrival, at most MAX_BURST_MS: an arrival created
             # during a burst (a tool wait shorter than what is left of it) waits for the burst's end.
             horizon = min(MAX_BURST_MS, (timers[0] - now) * 1000.0 if timers else float("inf"))
-            steps, ms = core.decode_burst(horizon)
-            if steps:
-                self._apply_events(w, core.take_events())
-                busy[w] = True
-                push(now + ms / 1000.0, "burst", _Step(w, None))
-                return
-            plan = core.schedule()
+            step = next_step(core, horizon)
             self._apply_events(w, core.take_events())
-            if not plan.scheduled:
-                busy[w] = False
-                return
-            busy[w] = True
-            push(now + plan.duration_ms / 1000.0, "step", _Step(w, plan))
+            busy[w] = step is not None
+            if step is not None:
+                ms, plan = step
+                push(now + ms / 1000.0, "burst" if plan is None else "step", _Step(w, plan))
 
         def release(s: _Session) -> None:
             if s.reserved is not None:
@@ -289,7 +260,6 @@ class AgentFleet:
                 self.predictor.observe("t", s.life.tools, now - s.life.since, s.life.plan.predicted_s)
             release(s)
             if r.kind == "user" and s.next_round > 0:
-                s.continued += 1
                 self.continues.continued(s.script.agent_type, s.answer_size)
             s.life = s.life.on(Event.REQUEST, now)
             tokens = canonical_history(s.script, s.next_round)
@@ -322,9 +292,7 @@ class AgentFleet:
             sr.hashes = hashes
             by_req[rid] = (s, res)
             mine[rid] = max(1, len(tokens) - expected)
-            self.in_flight[w] += 1
-            self.pending[w] += mine[rid]
-            self.pending_n[w] += 1
+            self.acct[w].sent(mine[rid])
             s.home = w
             self.residency.stored(s.script.id, self.nodes[w], len(tokens), now)
             self.engines[w].add_request(sr)
@@ -337,10 +305,7 @@ class AgentFleet:
             res.first_token = sr.first_token_time
             res.reuse = sr.num_cached_tokens
             res.external = sr.external_tokens
-            self.pending[w] -= mine[sr.id]
-            self.pending_n[w] -= 1
-            self.decoding[w] += 1
-            self.decoding_tokens[w] += res.prompt
+            self.acct[w].first_token(mine[sr.id], res.prompt)
             pf = s.prefill
             if pf is not None and res.round > 0:
                 if res.reuse > pf.divergence:
@@ -348,7 +313,6 @@ class AgentFleet:
                     self.prefill_stats.saved_ms += pf.gain_ms
                 else:
                     self.prefill_stats.wasted += 1
-                    self.waste["not_reused"] += 1
                 s.prefill = None
 
         def finished(sr: SimRequest, w: int, now: float) -> None:
@@ -358,14 +322,11 @@ class AgentFleet:
                 self.prefill_stats.completed += 1
                 if s.prefill is not None and s.prefill.req is sr and s.prefill.orphan:
                     self.prefill_stats.wasted += 1
-                    self.waste["ended"] += 1
                     s.prefill = None
                 kick(w, now)
                 return
             res.finish = now
-            self.in_flight[w] -= 1
-            self.decoding[w] -= 1
-            self.decoding_tokens[w] -= res.prompt
+            self.acct[w].finished(res.prompt)
             r = s.script.rounds[res.round]
             s.chain = sr.prompt + sr.output
             s.chain_hashes = sr.hashes
@@ -408,14 +369,12 @@ class AgentFleet:
             elif isinstance(payload, _Settle):
                 s = payload.session
                 if s.next_round == payload.next_round:  # nothing since the answer
-                    s.ended += 1
                     self.continues.ended(s.script.agent_type, s.answer_size)
                     if s.prefill is not None:
                         if s.prefill.req.finish_time is None:
                             s.prefill.orphan = True  # settled when it ends
                         else:
                             self.prefill_stats.wasted += 1
-                            self.waste["ended"] += 1
                             s.prefill = None
             elif isinstance(payload, _Step):
                 w = payload.worker
@@ -451,9 +410,7 @@ class AgentFleet:
         assert s.home is not None
         tiers = self.engines[s.home].tiers
         assert tiers is not None
-        got = tiers.prefetch(self._chunk_keys(s.chain_hashes))
-        self.prefetches += 1
-        self.prefetched_tokens += got * self.tiercfg.chunk_tokens
+        tiers.prefetch(self._chunk_keys(s.chain_hashes))
         self.residency.prefetched(s.script.id, self.nodes[s.home], len(s.chain) // self.tiercfg.chunk_tokens
                                   * self.tiercfg.chunk_tokens, self.now)
 
@@ -464,7 +421,7 @@ class AgentFleet:
         divergence = common_prefix(s.chain, prefix)
         gain = gain_tokens(divergence, len(prefix), bs)
         d = decide(self.prefill_params, gain, self.continues.p(s.script.agent_type, len(prefix)),
-                   pending_requests=self.pending_n[w],
+                   pending_requests=self.acct[w].pending_requests,
                    kv_usage=self.engines[w].pool.usage())
         self.prefill_stats.count(d)
         if not d.issue:

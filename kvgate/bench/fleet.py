@@ -13,6 +13,7 @@ import heapq
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvgate.bench.trace import TraceRequest, TraceTokens
 from kvgate.router.approx import ApproxIndex
@@ -44,14 +45,49 @@ class Result:
 
 
 @dataclass(slots=True)
-class _Acct:
-    """What the gateway knows of one worker: only what it sent and what came back."""
+class Accounting:
+    """What the gateway knows of one worker: only what it sent and what came back (``WorkerPool``'s
+    accounting, for workers in virtual time)."""
 
     in_flight: int = 0
     pending_prefill: int = 0
     pending_requests: int = 0
     decode_requests: int = 0
     decode_tokens: int = 0
+
+    def sent(self, prefill_tokens: int) -> None:
+        self.in_flight += 1
+        self.pending_prefill += prefill_tokens
+        self.pending_requests += 1
+
+    def first_token(self, prefill_tokens: int, context_tokens: int) -> None:
+        self.pending_prefill -= prefill_tokens
+        self.pending_requests -= 1
+        self.decode_requests += 1
+        self.decode_tokens += context_tokens
+
+    def finished(self, context_tokens: int) -> None:
+        self.in_flight -= 1
+        self.decode_requests -= 1
+        self.decode_tokens -= context_tokens
+
+    def view(self, wid: WorkerId, **extra: Any) -> WorkerView:
+        return WorkerView(wid, "m", True, self.in_flight, pending_prefill_tokens=self.pending_prefill,
+                          pending_requests=self.pending_requests, decode_requests=self.decode_requests,
+                          decode_tokens=self.decode_tokens, **extra)
+
+
+def next_step(core: EngineCore, horizon_ms: float) -> tuple[float, StepPlan | None] | None:
+    """An engine's next event in virtual time: (ms, None) for a stretch of pure decode run as one event
+    (up to ``horizon_ms``), (ms, plan) for one scheduled step, None when it has nothing to run. The
+    caller takes the KV events the step produced."""
+    if not core.has_work():
+        return None
+    steps, ms = core.decode_burst(horizon_ms)
+    if steps:
+        return ms, None
+    plan = core.schedule()
+    return (plan.duration_ms, plan) if plan.scheduled else None
 
 
 def apply_events(index: PrefixIndex, wid: WorkerId, events: list[KVEvent]) -> None:
@@ -76,7 +112,7 @@ class FleetSim:
         self.hasher = VllmHasher(profile.block_size, "sha256", hash_seed)
         self.engines = [EngineCore(profile, self.hasher) for _ in range(n_workers)]
         self.ids = [WorkerId(f"w{i}") for i in range(n_workers)]
-        self.acct = [_Acct() for _ in range(n_workers)]
+        self.acct = [Accounting() for _ in range(n_workers)]
         self.index = PrefixIndex()
         self.approx = ApproxIndex(approx_ttl_s)
         self.policy: Policy = (CostModel(cost or profile.cost_params()) if mode.startswith("kvgate")
@@ -93,11 +129,7 @@ class FleetSim:
             matched = self.index.match(hashes)
         elif self.mode == "kvgate_approx":
             matched = self.approx.match(hashes, now)
-        views = tuple(
-            WorkerView(wid, "m", True, a.in_flight, pending_prefill_tokens=a.pending_prefill,
-                       pending_requests=a.pending_requests, decode_requests=a.decode_requests,
-                       decode_tokens=a.decode_tokens)
-            for wid, a in zip(self.ids, self.acct, strict=True))
+        views = tuple(a.view(wid) for wid, a in zip(self.ids, self.acct, strict=True))
         key = r.conversation_key
         req = RouteRequest("m", ConversationId(key), self.home.get(key), prompt_tokens=r.input_length,
                            matched_blocks=matched, block_size=self.profile.block_size)
@@ -127,26 +159,14 @@ class FleetSim:
         def start(w: int, now: float) -> None:
             nonlocal seq
             core = self.engines[w]
-            if not core.has_work():
-                busy[w] = False
-                return
             # Pure-decode stretches run as one event, up to the next arrival (which may come here).
             horizon = (arrivals[nxt].arrival_s - now) * 1000.0 if nxt < len(arrivals) else float("inf")
-            steps, ms = core.decode_burst(horizon)
-            if steps:
-                self._apply_events(w, core.take_events())
-                busy[w] = True
-                seq += 1
-                heapq.heappush(heap, (now + ms / 1000.0, seq, w, None))
-                return
-            plan = core.schedule()
+            step = next_step(core, horizon)
             self._apply_events(w, core.take_events())
-            if not plan.scheduled:
-                busy[w] = False
-                return
-            busy[w] = True
-            seq += 1
-            heapq.heappush(heap, (now + plan.duration_ms / 1000.0, seq, w, plan))
+            busy[w] = step is not None
+            if step is not None:
+                seq += 1
+                heapq.heappush(heap, (now + step[0] / 1000.0, seq, w, step[1]))
 
         while heap or nxt < len(arrivals):
             if nxt < len(arrivals) and (not heap or arrivals[nxt].arrival_s < heap[0][0]):
@@ -162,11 +182,8 @@ class FleetSim:
                 sr = SimRequest(rid, self.tokens.tokens(r), [0] * r.output_length, arrival=now)
                 sr.hashes = list(bh)
                 self.engines[w].add_request(sr)
-                a = self.acct[w]
-                a.in_flight += 1
                 mine[rid] = max(1, r.input_length - expected)
-                a.pending_prefill += mine[rid]
-                a.pending_requests += 1
+                self.acct[w].sent(mine[rid])
                 results[rid] = Result(r.id, w, now, r.input_length, r.output_length, expected, route_s,
                                       predicted if self.mode.startswith("kvgate") else None)
                 if not busy[w]:
@@ -183,14 +200,9 @@ class FleetSim:
                     if res.first_token is None:
                         res.first_token = now
                         res.cached = o.request.num_cached_tokens
-                        a.pending_prefill -= mine[o.request.id]
-                        a.pending_requests -= 1
-                        a.decode_requests += 1
-                        a.decode_tokens += res.prompt
+                        a.first_token(mine[o.request.id], res.prompt)
                     if o.finished:
                         res.finish = now
-                        a.in_flight -= 1
-                        a.decode_requests -= 1
-                        a.decode_tokens -= res.prompt
+                        a.finished(res.prompt)
             start(w, now)
         return sorted(results.values(), key=lambda x: x.id)

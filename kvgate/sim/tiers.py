@@ -54,6 +54,15 @@ class TierPool:
                 self._keys.popitem(last=False)
                 self.evicted += 1
 
+    def leading(self, keys: Iterable[BlockHash]) -> int:
+        """How many of ``keys``, from the first, this tier holds (the prefix it can serve, in chunks)."""
+        n = 0
+        for k in keys:
+            if k not in self._keys:
+                break
+            n += 1
+        return n
+
     def touch(self, keys: Iterable[BlockHash]) -> None:
         for k in keys:
             if k in self._keys:
