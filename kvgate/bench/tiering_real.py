@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 
 from kvgate.config import GatewaySettings, WorkerConfig
+from kvgate.dev.engines import metric_total
 from kvgate.gateway.app import create_app
 from kvgate.gateway.proxy import Usage
 from kvgate.serving import start_server
@@ -58,11 +59,7 @@ def tokens(seed: int, n: int) -> list[int]:
 
 
 def external(url: str) -> float:
-    total = 0.0
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith("vllm:prompt_tokens_by_source_total") and 'source="external_kv_transfer"' in line:
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return metric_total(url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
 
 
 @dataclass(frozen=True)
@@ -171,11 +168,7 @@ async def _sleep(s: float) -> None:
 
 
 def l1_hits(lmcache_url: str) -> float:
-    total = 0.0
-    for line in httpx.get(lmcache_url + "/metrics").text.splitlines():
-        if line.startswith("lmcache_mp_lookup_hit_l1_tokens_total"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return metric_total(lmcache_url, "lmcache_mp_lookup_hit_l1_tokens_total")
 
 
 async def prefetch_into_l1(e: Engine, seed: int) -> tuple[tuple[int, int] | None, float]:

@@ -41,6 +41,17 @@ def engines_dir() -> Path:
     return Path(os.environ.get("KVGATE_ENGINES_DIR") or Path.home() / ".cache" / "kvgate" / "engines")
 
 
+def metric_total(url: str, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples whose labels include ``labels``, read from ``url``/metrics (vLLM's
+    and LMCache's Prometheus text)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
 def free_port() -> int:
     """A free TCP port for a process that binds it later. Taken below the kernel's ephemeral range, where
     the many sockets a starting vLLM opens cannot have been handed the same port in the meantime."""

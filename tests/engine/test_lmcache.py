@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +11,7 @@ import httpx
 import pytest
 import redis
 
-from kvgate.dev.engines import EngineSet, Proc, VllmWorker, ensure_lmcache, free_port
+from kvgate.dev.engines import EngineSet, Proc, VllmWorker, ensure_lmcache, free_port, metric_total
 from kvgate.router.hashing import LMCacheKeys
 from tests.engine.conftest import SMALL_BLOCKS, cached, complete
 
@@ -42,22 +41,13 @@ def lmc(tmp_path_factory: pytest.TempPathFactory, real_model: Path) -> Iterator[
         s.stop()
 
 
-def _sum_by(url: str, pattern: str) -> dict[str, float]:
-    """Prometheus samples matching ``pattern`` (group 1: the key, group 2: the value), summed per key."""
-    out: dict[str, float] = {}
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        m = re.match(pattern, line)
-        if m:
-            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
-    return out
-
-
 def by_source(url: str) -> dict[str, float]:
-    return _sum_by(url, r'vllm:prompt_tokens_by_source_total\{.*source="([a-z_]+)".*\} ([0-9.e+]+)')
+    return {src: metric_total(url, "vllm:prompt_tokens_by_source_total", source=src)
+            for src in ("local_compute", "local_cache_hit", "external_kv_transfer")}
 
 
 def lmcache_hits(url: str) -> dict[str, float]:
-    return _sum_by(url, r"lmcache_mp_lookup_hit_(l1|l2)_tokens_total\{.*\} ([0-9.e+]+)")
+    return {tier: metric_total(url, f"lmcache_mp_lookup_hit_{tier}_tokens_total") for tier in ("l1", "l2")}
 
 
 def prompt(seed: int, n: int = 1300) -> list[int]:
