@@ -13,7 +13,7 @@ from kvgate.router.hashing import VllmHasher, event_int
 from kvgate.serving import start_server
 from kvgate.sim.server import SimWorker
 from kvgate.tokens.tokenizer import ChatTokenizer
-from tests.engine.conftest import SMALL_BLOCKS, EventTap, Pair, cached, complete, reset_cache
+from tests.engine.conftest import SMALL_BLOCKS, EventTap, Pair, Worker, cached, complete, reset_cache
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
@@ -114,19 +114,28 @@ async def _sim(pair: Pair, algo: str, num_blocks: int | None, events_port: int) 
     return await start_server(w.build_app())
 
 
-async def test_simulator_emits_the_same_events_under_a_small_cache(pair: Pair) -> None:
+async def _real_and_sim(pair: Pair, real: Worker, algo: str, num_blocks: int | None,
+                        sequence: list[tuple[list[int], str | None]]) -> tuple[Any, Any]:
+    """The sequence on the real worker (cache reset first), then on a simulator configured like it:
+    (events, cached tokens) of each."""
     from kvgate.dev.engines import free_port
 
-    ps = prompts(2, 7, 700)  # 5 full blocks each; 7 of them overflow 39 usable blocks
-    sequence: list[tuple[list[int], str | None]] = [(p, None) for p in ps] + [(ps[0], None), (ps[6], "s")]
-    await reset_cache(pair.b.url)
-    real_events, real_cached = await _events_and_cached(pair.b.url, pair.b.events, sequence)
+    await reset_cache(real.url)
+    got_real = await _events_and_cached(real.url, real.events, sequence)
     port = free_port()
-    sim = await _sim(pair, "sha256_cbor", SMALL_BLOCKS, port)
+    sim = await _sim(pair, algo, num_blocks, port)
     try:
-        sim_events, sim_cached = await _events_and_cached(sim.url, f"tcp://127.0.0.1:{port}", sequence)
+        got_sim = await _events_and_cached(sim.url, f"tcp://127.0.0.1:{port}", sequence)
     finally:
         await sim.stop()
+    return got_real, got_sim
+
+
+async def test_simulator_emits_the_same_events_under_a_small_cache(pair: Pair) -> None:
+    ps = prompts(2, 7, 700)  # 5 full blocks each; 7 of them overflow 39 usable blocks
+    sequence: list[tuple[list[int], str | None]] = [(p, None) for p in ps] + [(ps[0], None), (ps[6], "s")]
+    (real_events, real_cached), (sim_events, sim_cached) = await _real_and_sim(
+        pair, pair.b, "sha256_cbor", SMALL_BLOCKS, sequence)
     real_events = [e for e in real_events if e["type"] != "AllBlocksCleared"]
     assert any(e["type"] == "BlockRemoved" for e in real_events), "the sequence must force evictions"
     assert sim_events == real_events
@@ -134,8 +143,6 @@ async def test_simulator_emits_the_same_events_under_a_small_cache(pair: Pair) -
 
 
 async def test_cached_tokens_parity(pair: Pair) -> None:
-    from kvgate.dev.engines import free_port
-
     base, other = prompts(3, 2, 900)
     sequence: list[tuple[list[int], str | None]] = [
         (base, None),                         # cold
@@ -146,13 +153,6 @@ async def test_cached_tokens_parity(pair: Pair) -> None:
         (base[:600], "tenant-1"),             # same salt again
         (base[:256], None),                   # block-aligned prefix: last block recomputed
     ]
-    await reset_cache(pair.a.url)
-    _, real = await _events_and_cached(pair.a.url, pair.a.events, sequence)
-    port = free_port()
-    sim = await _sim(pair, "sha256", None, port)
-    try:
-        _, simulated = await _events_and_cached(sim.url, f"tcp://127.0.0.1:{port}", sequence)
-    finally:
-        await sim.stop()
+    (_, real), (_, simulated) = await _real_and_sim(pair, pair.a, "sha256", None, sequence)
     assert simulated == real
     assert real[1] == 896 and real[4] == 0 and real[6] == 128
