@@ -45,15 +45,25 @@ async def test_tool_wait_reserves_kv_and_is_measured_when_the_session_resumes(ma
     assert (await admin(c, "/admin/tiers"))["waits"]["observed"] == 1
 
 
+def reply(r: httpx.Response) -> dict[str, Any]:
+    return {k: v for k, v in r.json()["choices"][0]["message"].items() if v is not None}
+
+
+async def tool_chain_then_answer(c: Cluster, conv: str) -> tuple[list[dict[str, Any]], httpx.Response, httpx.Response]:
+    """A turn whose tool call carries long reasoning and whose answer ends it: the next user turn drops
+    that reasoning. Returns the history so far and the two responses."""
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "agent " * 200}, {"role": "user", "content": "go"}]
+    r1 = await chat(c, conv, msgs, sim={"tool_calls": 1, "reasoning_tokens": 400})
+    m = reply(r1)
+    msgs += [m, {"role": "tool", "tool_call_id": m["tool_calls"][0]["id"], "content": "result " * 150}]
+    r2 = await chat(c, conv, msgs, sim={"tool_calls": 0, "reasoning_tokens": 100, "answer_tokens": 40})
+    return [*msgs, reply(r2), {"role": "user", "content": "thanks, and now?"}], r1, r2
+
+
 async def test_background_prefill_makes_the_next_user_turn_find_the_canonical_prefix(make_cluster: Any) -> None:
     c = await make_cluster(1, events=True, prefill={"enabled": True, "min_gain_tokens": 128, "min_continue": 0.5})
     await ready(c)
-    msgs: list[dict[str, Any]] = [{"role": "system", "content": "agent " * 200}, {"role": "user", "content": "go"}]
-    r1 = await chat(c, "bp", msgs, sim={"tool_calls": 1, "reasoning_tokens": 400})
-    m = r1.json()["choices"][0]["message"]
-    msgs += [{k: v for k, v in m.items() if v is not None},
-             {"role": "tool", "tool_call_id": m["tool_calls"][0]["id"], "content": "result " * 150}]
-    r2 = await chat(c, "bp", msgs, sim={"tool_calls": 0, "reasoning_tokens": 100, "answer_tokens": 40})
+    msgs, _, r2 = await tool_chain_then_answer(c, "bp")
     assert r2.status_code == 200
     # The turn ended: the next request drops this turn's reasoning, so kvgate prefills P|A now.
     async def prefilled() -> bool:
@@ -63,8 +73,6 @@ async def test_background_prefill_makes_the_next_user_turn_find_the_canonical_pr
     assert await metric(c, "kvgate_prefill_decisions_total", reason="issued") == 1
     async with httpx.AsyncClient() as h:
         prefix = (await h.get(c.url + "/admin/conversations/bp/next-prefix")).json()["tokens"]
-    m2 = r2.json()["choices"][0]["message"]
-    msgs += [{k: v for k, v in m2.items() if v is not None}, {"role": "user", "content": "thanks, and now?"}]
     r3 = await chat(c, "bp", msgs, sim={"tool_calls": 0})
     cached = r3.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached >= prefix // 16 * 16 - 16, (cached, prefix)
@@ -75,16 +83,9 @@ async def test_background_prefill_makes_the_next_user_turn_find_the_canonical_pr
 async def test_without_prefill_the_same_turn_recomputes_the_answer(make_cluster: Any) -> None:
     c = await make_cluster(1, events=True)
     await ready(c)
-    msgs: list[dict[str, Any]] = [{"role": "system", "content": "agent " * 200}, {"role": "user", "content": "go"}]
-    r1 = await chat(c, "np", msgs, sim={"tool_calls": 1, "reasoning_tokens": 400})
-    m = r1.json()["choices"][0]["message"]
-    msgs += [{k: v for k, v in m.items() if v is not None},
-             {"role": "tool", "tool_call_id": m["tool_calls"][0]["id"], "content": "result " * 150}]
-    r2 = await chat(c, "np", msgs, sim={"tool_calls": 0, "reasoning_tokens": 100, "answer_tokens": 40})
+    msgs, r1, _ = await tool_chain_then_answer(c, "np")
     async with httpx.AsyncClient() as h:
         prefix = (await h.get(c.url + "/admin/conversations/np/next-prefix")).json()["tokens"]
-    m2 = r2.json()["choices"][0]["message"]
-    msgs += [{k: v for k, v in m2.items() if v is not None}, {"role": "user", "content": "thanks, and now?"}]
     r3 = await chat(c, "np", msgs, sim={"tool_calls": 0})
     # Reused only up to the first dropped reasoning (inside turn 1's first reply), far short of P|A.
     cached = r3.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
