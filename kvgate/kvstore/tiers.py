@@ -56,11 +56,13 @@ class RemoteTierProbe:
         self.breaker = _Breaker(now, retry_s)
         self.lookups = 0
 
-    async def prefix_tokens(self, model_path: str, tokens: Sequence[int]) -> int:
-        """Tokens of ``tokens``' prefix whose chunks LMCache holds in Redis (0 when unknown)."""
+    async def prefix_tokens(self, model_path: str, tokens: Sequence[int], cache_salt: str | None = None) -> int:
+        """Tokens of ``tokens``' prefix whose chunks LMCache holds in Redis (0 when unknown), under
+        ``cache_salt`` (a salted chunk's key carries the salt: another tenant's is never probed)."""
         if not self.breaker.open() or len(tokens) < self.chunk_tokens:
             return 0
-        keys = LMCacheKeys(model_path, self.chunk_tokens).redis_keys(tokens[: self.max_chunks * self.chunk_tokens])
+        keys = LMCacheKeys(model_path, self.chunk_tokens).redis_keys(tokens[: self.max_chunks * self.chunk_tokens],
+                                                                     cache_salt)
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
                 for k in keys:
@@ -94,13 +96,13 @@ class LMCacheControl:
         self.breaker = _Breaker(now, retry_s)
         self.prefetches = 0
 
-    async def prefetch(self, model_path: str, tokens: Sequence[int]) -> str | None:
+    async def prefetch(self, model_path: str, tokens: Sequence[int], cache_salt: str = "") -> str | None:
         """Submit a prefetch; returns LMCache's request id, or None (nothing to fetch, or unreachable)."""
         if not self.breaker.open():
             return None
         try:
             r = await self._client.post(f"{self.url}/cache/prefetches", timeout=self._timeout, json={
-                "model_name": model_path, "world_size": 1, "token_ids": list(tokens), "cache_salt": "",
+                "model_name": model_path, "world_size": 1, "token_ids": list(tokens), "cache_salt": cache_salt,
                 "source_tier": "l2", "target_tier": "l1"})
             r.raise_for_status()
             body = r.json()

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from kvgate.gateway.history import ExactStore, canonicalize, open_turn_start, reserialization
-from kvgate.gateway.protocols import PROFILES, ReasoningPolicy, get_protocol
+from kvgate.history.canonical import canonicalize, find_exact, open_turn_start, reserialization
+from kvgate.history.protocols import PROFILES, ReasoningPolicy, get_protocol
 
 
 def words(text: str, n: int) -> str:
@@ -29,11 +29,8 @@ def conversation(first: dict[str, Any], second: dict[str, Any]) -> list[dict[str
             {"role": "tool", "tool_call_id": "t1", "content": "result"}, second, {"role": "user", "content": "next"}]
 
 
-def store() -> ExactStore:
-    s = ExactStore()
-    s.add("c", EXACT_1)
-    s.add("c", EXACT_2)
-    return s
+def store() -> list[dict[str, Any]]:
+    return [EXACT_1, EXACT_2]
 
 
 def test_open_turn_is_after_the_last_real_user_message() -> None:
@@ -50,7 +47,7 @@ def test_open_turn_is_after_the_last_real_user_message() -> None:
 ])
 def test_reserialisations_are_restored_byte_for_byte(client: dict[str, Any], fields: list[str]) -> None:
     msgs = conversation(client, EXACT_2)
-    out = canonicalize(msgs, PROFILES["generic-vllm"], store(), "c", words)
+    out = canonicalize(msgs, PROFILES["generic-vllm"], store(), words)
     assert [r.field for r in out.restored] == fields
     assert out.messages[2]["tool_calls"][0]["function"]["arguments"] == '{"q": "kv cache", "k": 3}'
     assert out.messages[2]["reasoning"] == EXACT_1["reasoning"] and "reasoning_content" not in out.messages[2]
@@ -63,7 +60,7 @@ def test_reserialisations_are_restored_byte_for_byte(client: dict[str, Any], fie
 ])
 def test_real_edits_are_never_restored(edit: dict[str, Any]) -> None:
     client = {**EXACT_1, **edit}
-    out = canonicalize(conversation(client, EXACT_2), PROFILES["generic-vllm"], store(), "c", words)
+    out = canonicalize(conversation(client, EXACT_2), PROFILES["generic-vllm"], store(), words)
     assert out.restored == [] and out.messages[2]["content"] == client["content"]
     assert reserialization(client, EXACT_1) is None
 
@@ -71,24 +68,24 @@ def test_real_edits_are_never_restored(edit: dict[str, Any]) -> None:
 def test_drop_policy_removes_completed_turns_reasoning_only() -> None:
     p = PROFILES["generic-vllm"].with_policy(ReasoningPolicy.parse("drop"))
     msgs = conversation(EXACT_1, EXACT_2)
-    out = canonicalize(msgs, p, store(), "c", words)
+    out = canonicalize(msgs, p, store(), words)
     assert "reasoning" not in out.messages[2] and "reasoning" not in out.messages[4]
     assert out.reasoning_changed == [2, 4]
     # Inside an open turn nothing is removed.
-    inside = canonicalize(msgs[:4], p, store(), "c", words)
+    inside = canonicalize(msgs[:4], p, store(), words)
     assert inside.messages[2]["reasoning"] == EXACT_1["reasoning"] and inside.reasoning_changed == []
 
 
 def test_deepseek_keeps_reasoning_of_turns_that_used_tools() -> None:
     p = get_protocol("deepseek-v3").with_policy(ReasoningPolicy.parse("drop"))
-    out = canonicalize(conversation(EXACT_1, EXACT_2), p, store(), "c", words)
+    out = canonicalize(conversation(EXACT_1, EXACT_2), p, store(), words)
     assert out.messages[2]["reasoning_content"] == EXACT_1["reasoning"]  # tool call: required back
     assert "reasoning_content" not in out.messages[4] and "reasoning" not in out.messages[4]
 
 
 def test_truncate_policy_and_parsing() -> None:
     p = PROFILES["qwen3"].with_policy(ReasoningPolicy.parse("truncate:2"))
-    out = canonicalize(conversation(EXACT_1, EXACT_2), p, store(), "c", words)
+    out = canonicalize(conversation(EXACT_1, EXACT_2), p, store(), words)
     assert out.messages[4]["reasoning"] == "The tool"
     assert str(ReasoningPolicy.parse("TRUNCATE:5")) == "truncate:5"
     for bad in ("truncate:0", "truncate:x", "summarise"):
@@ -98,9 +95,9 @@ def test_truncate_policy_and_parsing() -> None:
 
 def test_canonical_form_is_stable_across_turns() -> None:
     p = PROFILES["qwen3"].with_policy(ReasoningPolicy.parse("drop"))
-    first = canonicalize(conversation(EXACT_1, EXACT_2), p, store(), "c", words).messages
+    first = canonicalize(conversation(EXACT_1, EXACT_2), p, store(), words).messages
     later = canonicalize([*conversation(EXACT_1, EXACT_2), {"role": "assistant", "content": "ok"},
-                          {"role": "user", "content": "more"}], p, store(), "c", words).messages
+                          {"role": "user", "content": "more"}], p, store(), words).messages
     assert json.dumps(later[: len(first) - 1]) == json.dumps(first[:-1])
 
 
@@ -110,12 +107,11 @@ def test_every_profile_is_shipped() -> None:
 
 
 def test_identical_replies_are_not_guessed() -> None:
-    s = ExactStore()
-    s.add("c", {"role": "assistant", "content": "Done.", "reasoning": "first"})
-    s.add("c", {"role": "assistant", "content": "Done.", "reasoning": "second"})
-    assert s.find("c", {"role": "assistant", "content": "Done."}) is None
-    s.add("d", {"role": "assistant", "content": "Unique.", "reasoning": "r"})
-    assert s.find("d", {"role": "assistant", "content": "Unique."}) is not None
+    twice = [{"role": "assistant", "content": "Done.", "reasoning": "first"},
+             {"role": "assistant", "content": "Done.", "reasoning": "second"}]
+    assert find_exact(twice, {"role": "assistant", "content": "Done."}) is None
+    once = [{"role": "assistant", "content": "Unique.", "reasoning": "r"}]
+    assert find_exact(once, {"role": "assistant", "content": "Unique."}) is not None
 
 
 @pytest.mark.parametrize("name", sorted(PROFILES))
@@ -132,30 +128,12 @@ def test_every_profile_on_a_crafted_conversation(name: str) -> None:
             {"role": "assistant", "content": "", "reasoning": "open-turn thought",
              "tool_calls": [call("t3", '{"q": 3}')]},
             {"role": "tool", "tool_call_id": "t3", "content": "c"}]
-    out = canonicalize(msgs, p, ExactStore(), "c", words)
+    out = canonicalize(msgs, p, [], words)
     field, other = p.reasoning_in, ({"reasoning", "reasoning_content"} - {p.reasoning_in}).pop()
     assert out.messages[7][field] == "open-turn thought" and other not in out.messages[7]  # open turn: kept
     assert field not in out.messages[5] and other not in out.messages[5]                    # plain turn: dropped
     kept_with_tools = p.reasoning_required_with_tools
     assert (field in out.messages[2]) == kept_with_tools
     assert [c["function"]["arguments"] for c in out.messages[2]["tool_calls"]] == ['{"q": 1}', '{"q": 2}']
-    keep = canonicalize(msgs, PROFILES[name], ExactStore(), "c", words)
+    keep = canonicalize(msgs, PROFILES[name], [], words)
     assert keep.messages[5][field] == "because" and keep.reasoning_changed == []
-
-
-async def test_truncate_counts_model_tokens_when_the_tokenizer_is_known(tokenizer: Any) -> None:
-    from kvgate.gateway.prompts import PromptBuilder
-    from kvgate.gateway.turns import TurnKeeper
-    from kvgate.router.hashing import VllmHasher
-
-    async def none(model: str, body: dict[str, Any]) -> list[int] | None:
-        return None
-
-    pb = PromptBuilder({"kvgate-tiny": tokenizer}, {"kvgate-tiny": VllmHasher(16, seed="0")}, none, 10)
-    keeper = TurnKeeper({}, "truncate:3", {}, pb)
-    proto = keeper.protocol("kvgate-tiny", "", None)
-    msgs = [{"role": "user", "content": "q"},
-            {"role": "assistant", "content": "a", "reasoning": "the cache of the model is warm"},
-            {"role": "user", "content": "next"}]
-    out = keeper.canonical(proto, msgs, "c", "kvgate-tiny")
-    assert len(tokenizer.encode(out.messages[1]["reasoning"])) == 3

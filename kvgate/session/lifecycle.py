@@ -9,7 +9,7 @@
 
 ``generating`` counts its requests: an agent may run branches of one conversation in parallel, and
 the session leaves ``generating`` when the last one ends (the last one to end decides where it goes).
-A wait records when it began and its plan (``router/waits.py``), so the next request can measure the
+A wait records when it began and its plan (``session/waits.py``), so the next request can measure the
 real wait and feed it back. Anything else is an illegal transition and raises: a bug, not an input.
 """
 
@@ -19,7 +19,7 @@ import enum
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvgate.router.waits import WaitPlan
+from kvgate.session.waits import WaitPlan
 
 
 class State(enum.StrEnum):

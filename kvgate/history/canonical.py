@@ -11,13 +11,12 @@ inputs always give the same canonical history, so it stays byte-stable turn afte
 
 from __future__ import annotations
 
-import json
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvgate.gateway.protocols import ModelProtocol
+from kvgate import safejson
+from kvgate.history.protocols import ModelProtocol
 
 Message = dict[str, Any]
 REASONING_FIELDS = ("reasoning", "reasoning_content")
@@ -52,10 +51,8 @@ def _args(call: Mapping[str, Any]) -> Any:
     fn = call.get("function") or {}
     a = fn.get("arguments")
     if isinstance(a, str):
-        try:
-            return json.loads(a) if a.strip() else {}
-        except json.JSONDecodeError:
-            return a
+        ok, doc = safejson.try_loads(a) if a.strip() else (True, {})
+        return doc if ok else a
     return a if a is not None else {}
 
 
@@ -98,40 +95,18 @@ def reserialization(client: Mapping[str, Any], exact: Mapping[str, Any]) -> list
     return diffs
 
 
-class ExactStore:
-    """Per conversation, the assistant messages exactly as the worker generated them (bounded)."""
-
-    def __init__(self, max_conversations: int = 10_000, per_conversation: int = 256) -> None:
-        self._max = max_conversations
-        self._per = per_conversation
-        self._data: OrderedDict[str, list[Message]] = OrderedDict()
-
-    def add(self, conversation: str, message: Message) -> None:
-        items = self._data.setdefault(conversation, [])
-        items.append(message)
-        del items[: -self._per]
-        self._data.move_to_end(conversation)
-        while len(self._data) > self._max:
-            self._data.popitem(last=False)
-
-    def messages(self, conversation: str) -> list[Message]:
-        return self._data.get(conversation, [])
-
-    def find(self, conversation: str, client: Mapping[str, Any]) -> Message | None:
-        """The stored reply this client message is a copy of: by tool-call ids (unique per generation),
-        or by content when exactly one stored reply has that content — two replies that read the same
-        ("Done.") cannot be told apart, and guessing would put one turn's reasoning into another."""
-        stored = self._data.get(conversation, [])
-        calls = client.get("tool_calls") or []
-        ids = [c.get("id") for c in calls if isinstance(c, dict) and c.get("id")]
-        if ids:
-            for m in reversed(stored):
-                if [c.get("id") for c in m.get("tool_calls") or []] == ids:
-                    return m
-            return None
-        text = _content(client)
-        same = [m for m in stored if not m.get("tool_calls") and text and _content(m) == text]
-        return same[0] if len(same) == 1 else None
+def find_exact(stored: Sequence[Mapping[str, Any]], client: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The stored reply (as the worker generated it) this client message is a copy of: by tool-call ids
+    (unique per generation), or by content when exactly one stored reply has that content — two replies
+    that read the same ("Done.") cannot be told apart, and guessing would put one turn's reasoning into
+    another."""
+    calls = client.get("tool_calls") or []
+    ids = [c.get("id") for c in calls if isinstance(c, dict) and c.get("id")]
+    if ids:
+        return next((m for m in reversed(stored) if [c.get("id") for c in m.get("tool_calls") or []] == ids), None)
+    text = _content(client)
+    same = [m for m in stored if not m.get("tool_calls") and text and _content(m) == text]
+    return same[0] if len(same) == 1 else None
 
 
 @dataclass
@@ -143,8 +118,9 @@ class Canonical:
     open_turn: int = 0
 
 
-def canonicalize(messages: Sequence[Mapping[str, Any]], protocol: ModelProtocol, store: ExactStore,
-                 conversation: str, truncate: Callable[[str, int], str]) -> Canonical:
+def canonicalize(messages: Sequence[Mapping[str, Any]], protocol: ModelProtocol, exact: Sequence[Mapping[str, Any]],
+                 truncate: Callable[[str, int], str]) -> Canonical:
+    """``exact``: the conversation's replies as the worker generated them (its record's)."""
     out: list[Message] = []
     restored: list[Restoration] = []
     changed: list[int] = []
@@ -152,11 +128,11 @@ def canonicalize(messages: Sequence[Mapping[str, Any]], protocol: ModelProtocol,
     for i, m in enumerate(messages):
         msg: Message = dict(m)
         if msg.get("role") == "assistant":
-            exact = store.find(conversation, msg)
-            diffs = reserialization(msg, exact) if exact is not None else None
-            if exact is not None and diffs is not None:
+            found = find_exact(exact, msg)
+            diffs = reserialization(msg, found) if found is not None else None
+            if found is not None and diffs is not None:
                 restored += [Restoration(i, d) for d in diffs]
-                msg = _exact_form(exact, msg)
+                msg = _exact_form(found, msg)
             msg = _reasoning_to(msg, protocol.reasoning_in)
             if i < start:
                 msg, did = _apply_policy(msg, protocol, truncate)

@@ -1,0 +1,1 @@
+"""Canonical conversation history per model protocol: pure, no I/O."""

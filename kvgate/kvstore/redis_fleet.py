@@ -1,0 +1,164 @@
+"""The fleet state of ``kvstore/fleet.py`` in Redis, shared by every gateway replica.
+
+Keys (one hash tag, so a Redis Cluster keeps the timer keys in one slot for their scripts)::
+
+    {prefix}{fleet}:timers    sorted set: member "<cid>\\x1f<kind>", score = due (wall seconds)
+    {prefix}{fleet}:tokens    hash: member -> token of the armed timer
+    {prefix}{fleet}:obs       stream of observations (msgpack), capped at ``max_observations``
+    {prefix}{fleet}:reserved  hash: "<worker>\\x1f<cid>" -> "<tokens>:<deadline>"
+
+Claiming is one Lua script: the due members are re-scored to ``now + lease`` and returned, so two
+replicas never claim the same firing; a claimer that dies leaves the member due again at the lease's
+end. ``done`` removes the member only if its token is still the one claimed (not re-armed meanwhile).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+from redis.exceptions import RedisError
+
+from kvgate.kvstore.codec import from_map, to_map
+from kvgate.kvstore.conversations import StoreError
+from kvgate.kvstore.fleet import Timer
+from kvgate.kvstore.redis_conversations import connect
+from kvgate.router.types import ConversationId, WorkerId
+from kvgate.session.state import ContinuationObserved, Observation, WaitObserved
+
+_SEP = "\x1f"
+
+_ARM = """
+redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
+return 1
+"""
+_CANCEL = """
+for i = 1, #ARGV do
+  redis.call('ZREM', KEYS[1], ARGV[i])
+  redis.call('HDEL', KEYS[2], ARGV[i])
+end
+return 1
+"""
+_CLAIM = """
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, ARGV[3])
+local out = {}
+for _, m in ipairs(due) do
+  redis.call('ZADD', KEYS[1], ARGV[2], m)
+  table.insert(out, m)
+  table.insert(out, redis.call('HGET', KEYS[2], m) or '0')
+end
+return out
+"""
+_DONE = """
+if redis.call('HGET', KEYS[2], ARGV[1]) == ARGV[2] then
+  redis.call('ZREM', KEYS[1], ARGV[1])
+  redis.call('HDEL', KEYS[2], ARGV[1])
+  return 1
+end
+return 0
+"""
+_RENEW = """
+if redis.call('HGET', KEYS[2], ARGV[1]) == ARGV[2] then
+  redis.call('ZADD', KEYS[1], 'XX', ARGV[3], ARGV[1])
+  return 1
+end
+return 0
+"""
+_KINDS: dict[str, Any] = {"wait": WaitObserved, "continuation": ContinuationObserved}
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+class RedisFleet:
+    def __init__(self, url: str, prefix: str = "kvgate:", *, cluster: bool = False, timeout_s: float = 0.5,
+                 max_observations: int = 100_000) -> None:
+        self._r = connect(url, cluster, timeout_s)
+        tag = f"{prefix}{{fleet}}"
+        self._timers, self._tokens = f"{tag}:timers", f"{tag}:tokens"
+        self._obs, self._res = f"{tag}:obs", f"{tag}:reserved"
+        self._arm = self._r.register_script(_ARM)
+        self._cancel = self._r.register_script(_CANCEL)
+        self._claim = self._r.register_script(_CLAIM)
+        self._done = self._r.register_script(_DONE)
+        self._renew = self._r.register_script(_RENEW)
+        self._max_obs = max_observations
+        self.round_trips = 0
+        self._last_obs = "0"
+        """Stream id read up to: "0" at start, so a new replica reads the kept history (starts warm)."""
+
+    async def _call(self, aw: Any) -> Any:
+        self.round_trips += 1
+        try:
+            return await aw
+        except RedisError as exc:
+            raise StoreError(f"fleet store unavailable: {exc!r}") from exc
+
+    async def arm(self, cid: ConversationId, kind: str, due: float, token: int) -> None:
+        await self._call(self._arm(keys=[self._timers, self._tokens], args=[f"{cid}{_SEP}{kind}", repr(due), token]))
+
+    async def cancel(self, cid: ConversationId, kinds: tuple[str, ...]) -> None:
+        if kinds:
+            await self._call(self._cancel(keys=[self._timers, self._tokens], args=[f"{cid}{_SEP}{k}" for k in kinds]))
+
+    async def claim(self, now: float, lease_s: float, limit: int = 64) -> list[Timer]:
+        raw = await self._call(self._claim(keys=[self._timers, self._tokens], args=[repr(now), repr(now + lease_s),
+                                                                                   limit]))
+        out = []
+        for member, token in zip(raw[::2], raw[1::2], strict=True):
+            cid, _, kind = _text(member).partition(_SEP)
+            out.append(Timer(ConversationId(cid), kind, int(_text(token))))
+        return out
+
+    async def renew(self, timer: Timer, until: float) -> None:
+        await self._call(self._renew(keys=[self._timers, self._tokens],
+                                     args=[f"{timer.conversation}{_SEP}{timer.kind}", str(timer.token), repr(until)]))
+
+    async def done(self, timer: Timer) -> None:
+        await self._call(self._done(keys=[self._timers, self._tokens],
+                                    args=[f"{timer.conversation}{_SEP}{timer.kind}", str(timer.token)]))
+
+    async def publish(self, obs: Observation) -> None:
+        kind = "wait" if isinstance(obs, WaitObserved) else "continuation"
+        payload = msgpack.packb({"k": kind, "o": to_map(obs)}, use_bin_type=True)
+        await self._call(self._r.xadd(self._obs, {"o": payload}, maxlen=self._max_obs, approximate=True))
+
+    async def observations(self) -> list[Observation]:
+        got = await self._call(self._r.xread({self._obs: self._last_obs}, count=10_000))
+        out: list[Observation] = []
+        for _stream, entries in got or ():
+            for eid, fields in entries:
+                self._last_obs = _text(eid)
+                raw = fields.get(b"o") if b"o" in fields else fields.get("o")
+                try:
+                    m = msgpack.unpackb(raw, raw=False)
+                    out.append(from_map(_KINDS[m["k"]], m["o"]))
+                except (ValueError, KeyError, TypeError, msgpack.UnpackException):
+                    continue  # written by a newer replica in a form this one does not know
+        return out
+
+    async def reserve(self, worker: WorkerId, cid: ConversationId, tokens: int, until: float) -> None:
+        await self._call(self._r.hset(self._res, f"{worker}{_SEP}{cid}", f"{tokens}:{until!r}"))
+
+    async def unreserve(self, worker: WorkerId, cid: ConversationId) -> None:
+        await self._call(self._r.hdel(self._res, f"{worker}{_SEP}{cid}"))
+
+    async def reserved(self, now: float) -> dict[WorkerId, int]:
+        held = await self._call(self._r.hgetall(self._res))
+        out: dict[WorkerId, int] = {}
+        expired = []
+        for k, v in held.items():
+            key, (tokens, _, until) = _text(k), _text(v).partition(":")
+            if float(until) <= now:
+                expired.append(key)
+                continue
+            w = WorkerId(key.partition(_SEP)[0])
+            out[w] = out.get(w, 0) + int(tokens)
+        if expired:
+            await self._call(self._r.hdel(self._res, *expired))
+        return out
+
+    async def close(self) -> None:
+        await self._r.aclose()

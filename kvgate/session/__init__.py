@@ -1,0 +1,1 @@
+"""The session controller and what it decides on: pure, no I/O."""

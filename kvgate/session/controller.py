@@ -1,0 +1,295 @@
+"""The session controller: what happens to a conversation's KV between and around its requests.
+
+Pure (events in, commands out, no I/O, time as an argument): the gateway executes the commands with
+asyncio, httpx and Redis (``gateway/runtime.py``); the tiering benchmark executes the very same steps
+on simulated engines in virtual time (``sim/sessions.py``). Each step takes the conversation's
+``SessionState`` and returns the next one with the commands to run; the lifecycle inside it stays the
+one explicit state machine (``session/lifecycle.py``).
+
+Events and what they do:
+
+- **arrived** (a request of the conversation): the lifecycle moves to ``generating``; the KV parked
+  for a tool wait is released and the conversation's timers are cancelled; a background prefill that
+  still runs is cancelled and the request is forced onto its worker (the blocks it finished stay
+  cached there). The tool wait that just ended, and whether the user came back after an answer, are
+  remembered and fed back only when the request completes (a failed request teaches nothing, and a
+  retried one teaches once).
+- **ended** (the response ended, with tool calls or an answer): a prefill that ran for this request is
+  settled (used when the cached tokens reach past its divergence point); on tool calls, the wait is
+  predicted and planned — reserve the KV on the home worker (with a lapse timer) or release it and
+  prefetch it from the remote tier shortly before the predicted resume; on an answer, a settle timer
+  and (when enabled) a prefill timer are armed.
+- **fired** (a timer): ``lapse`` releases a reservation; ``prefetch`` asks for a prefetch;
+  ``settle`` counts the conversation as ended (and a prefill nobody used as wasted); ``prefill``
+  asks the executor for the next turn's prefix.
+- **prefix_ready** (the executor rendered the next-turn prefix): the prefill rule
+  (``session/prefill.py``) decides, and a prefill is issued or not.
+- **prefill_done**: the prefill request finished (or failed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from kvgate.router.cost import CostParams
+from kvgate.router.types import WorkerId
+from kvgate.session.lifecycle import Event, State
+from kvgate.session.prefill import PrefillParams, decide, gain_tokens
+from kvgate.session.state import (
+    LAPSE,
+    PREFETCH,
+    PREFILL,
+    SETTLE,
+    Answer,
+    ContinuationObserved,
+    Learned,
+    Observation,
+    PendingPrefill,
+    Reservation,
+    SessionState,
+    WaitObserved,
+    WaitSample,
+)
+
+
+# -- commands ------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Reserve:
+    worker: WorkerId
+    tokens: int
+    until: float
+
+
+@dataclass(frozen=True, slots=True)
+class Unreserve:
+    worker: WorkerId
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class ArmTimer:
+    kind: str
+    due: float
+    token: int
+
+
+@dataclass(frozen=True, slots=True)
+class CancelTimers:
+    kinds: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Prefetch:
+    worker: WorkerId
+
+
+@dataclass(frozen=True, slots=True)
+class ComputePrefix:
+    """Render the next turn's canonical prefix and answer with ``prefix_ready`` (same token)."""
+
+    worker: WorkerId
+    token: int
+
+
+@dataclass(frozen=True, slots=True)
+class IssuePrefill:
+    worker: WorkerId
+    token: int
+
+
+@dataclass(frozen=True, slots=True)
+class CancelPrefill:
+    worker: WorkerId
+    token: int
+
+
+@dataclass(frozen=True, slots=True)
+class Observe:
+    observation: Observation
+
+
+@dataclass(frozen=True, slots=True)
+class Count:
+    """A counter for operators and benchmarks: ``prefills{outcome}``, ``prefill_decisions{reason}``,
+    ``prefill_saved_ms``, ``tool_waits{outcome}``, ``wait_plans{action}``."""
+
+    name: str
+    label: str = ""
+    amount: float = 1.0
+
+
+Command = (Reserve | Unreserve | ArmTimer | CancelTimers | Prefetch | ComputePrefix | IssuePrefill | CancelPrefill
+           | Observe | Count)
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    state: SessionState
+    commands: tuple[Command, ...] = ()
+    force: WorkerId | None = None
+    """arrived only: the worker the request must go to (a prefill of its prefix runs there)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerParams:
+    prefill: PrefillParams = field(default_factory=lambda: PrefillParams(enabled=False))
+    plan_waits: bool = True
+    """Predict tool waits and reserve or prefetch their KV (off: the lifecycle alone, as a fleet
+    without tiers runs)."""
+
+
+class SessionController:
+    def __init__(self, params: ControllerParams | None = None) -> None:
+        self.params = params or ControllerParams()
+
+    # -- a request arrives -------------------------------------------------------------------------
+    def arrived(self, s: SessionState, *, tenant: str, now: float, user_turn: bool) -> Step:
+        cmds: list[Command] = []
+        life = s.lifecycle
+        waited = now - life.since
+        wait = None
+        if life.state is State.AWAITING_TOOL and life.plan is not None and waited >= 0:
+            wait = WaitSample(tenant, life.tools, waited, life.plan.predicted_s)
+        if s.reservation is not None:
+            cmds.append(Unreserve(s.reservation.worker, s.reservation.tokens))
+        if s.timers:
+            cmds.append(CancelTimers(tuple(k for k, _ in s.timers)))
+        force = None
+        prefill = s.prefill
+        if prefill is not None and prefill.running:
+            cmds += [CancelPrefill(prefill.worker, prefill.token), Count("prefills", "skipped")]
+            force = prefill.worker
+            prefill = replace(prefill, running=False)
+        cont = s.answer if user_turn and life.state is State.AWAITING_USER else None
+        new = replace(s, lifecycle=life.on(Event.REQUEST, now), reservation=None, timers=(), prefill=prefill,
+                      answer=None, pending_wait=wait, pending_continue=cont)
+        return Step(new, tuple(cmds), force)
+
+    # -- its response ended ------------------------------------------------------------------------
+    def ended(self, s: SessionState, *, tenant: str, worker: WorkerId, now: float, tools: tuple[str, ...],
+              kv_tokens: int, cached_tokens: int | None, learned: Learned) -> Step:
+        """``kv_tokens``: the context the worker now holds (prompt + completion); ``cached_tokens``: what
+        the request reused (None when the worker reported no usage)."""
+        cmds = self._settle_prefill(s.prefill, cached_tokens) + self._feedback(s)
+        s = replace(s, prefill=None, pending_wait=None, pending_continue=None)
+        if tools:
+            return self._tool_wait(s, tenant, worker, now, tools, kv_tokens, learned, cmds)
+        s = replace(s, lifecycle=s.lifecycle.on(Event.ANSWER, now), answer=Answer(tenant, kv_tokens, now))
+        s, arm = self._arm(s, SETTLE, now + self.params.prefill.settle_s)
+        cmds.append(arm)
+        if self.params.prefill.enabled:
+            s, arm = self._arm(s, PREFILL, now)
+            cmds.append(arm)
+        return Step(s, tuple(cmds))
+
+    def _tool_wait(self, s: SessionState, tenant: str, worker: WorkerId, now: float, tools: tuple[str, ...],
+                   kv_tokens: int, learned: Learned, cmds: list[Command]) -> Step:
+        if not self.params.plan_waits:
+            return Step(replace(s, lifecycle=s.lifecycle.on(Event.TOOL_CALLS, now, tools=tools)), tuple(cmds))
+        plan = learned.waits.plan(tenant, tools, now)
+        s = replace(s, lifecycle=s.lifecycle.on(Event.TOOL_CALLS, now, tools=tools, plan=plan))
+        cmds.append(Count("wait_plans", plan.action))
+        if plan.action == "reserve":
+            s, arm = self._arm(s, LAPSE, plan.deadline)
+            s = replace(s, reservation=Reservation(worker, kv_tokens, plan.deadline, arm.token))
+            cmds += [Reserve(worker, kv_tokens, plan.deadline), arm]
+        elif plan.prefetch_at is not None:
+            s, arm = self._arm(s, PREFETCH, plan.prefetch_at)
+            cmds.append(arm)
+        return Step(s, tuple(cmds))
+
+    @staticmethod
+    def _settle_prefill(p: PendingPrefill | None, cached_tokens: int | None) -> list[Command]:
+        if p is None:
+            return []
+        cmds: list[Command] = [CancelPrefill(p.worker, p.token)] if p.running else []
+        if cached_tokens is not None and cached_tokens > p.divergence:
+            return [*cmds, Count("prefills", "used"), Count("prefill_saved_ms", amount=p.gain_ms)]
+        return [*cmds, Count("prefills", "wasted")]
+
+    @staticmethod
+    def _feedback(s: SessionState) -> list[Command]:
+        cmds: list[Command] = []
+        w = s.pending_wait
+        if w is not None:
+            cmds += [Observe(WaitObserved(w.tenant, w.tools, w.waited_s, w.predicted_s)),
+                     Count("tool_waits", "overrun" if w.waited_s > w.predicted_s else "within")]
+        a = s.pending_continue
+        if a is not None:
+            cmds.append(Observe(ContinuationObserved(a.tenant, a.size, True)))
+        return cmds
+
+    @staticmethod
+    def _arm(s: SessionState, kind: str, due: float) -> tuple[SessionState, ArmTimer]:
+        token = s.seq + 1
+        return replace(s, seq=token).with_timer(kind, token), ArmTimer(kind, due, token)
+
+    # -- timers ------------------------------------------------------------------------------------
+    def fired(self, s: SessionState, *, kind: str, token: int, home: WorkerId | None) -> Step:
+        if s.timer(kind) != token:
+            return Step(s)  # stale: the wait it belonged to is over, or another timer replaced it
+        s = s.without_timer(kind)
+        if kind == LAPSE:
+            r = s.reservation
+            if r is None or r.token != token:
+                return Step(s)
+            lapsed = (Unreserve(r.worker, r.tokens), Count("tool_waits", "reservation_lapsed"))
+            return Step(replace(s, reservation=None), lapsed)
+        if kind == PREFETCH:
+            ok = s.lifecycle.state is State.AWAITING_TOOL and home is not None
+            return Step(s, (Prefetch(home),) if ok and home is not None else ())
+        if kind == SETTLE:
+            return self._settled(s)
+        if kind == PREFILL and s.lifecycle.state is State.AWAITING_USER and home is not None:
+            # Kept armed until the prefill is decided against or done (a re-run after a replica died).
+            worker = s.prefill.worker if s.prefill is not None and s.prefill.token == token else home
+            return Step(s.with_timer(PREFILL, token), (ComputePrefix(worker, token),))
+        return Step(s)
+
+    @staticmethod
+    def _settled(s: SessionState) -> Step:
+        if s.answer is None:
+            return Step(s)
+        a = s.answer
+        cmds: list[Command] = [Observe(ContinuationObserved(a.tenant, a.size, False))]
+        p = s.prefill
+        if p is not None:
+            cmds += ([CancelPrefill(p.worker, p.token)] if p.running else []) + [Count("prefills", "wasted")]
+        return Step(replace(s, answer=None, prefill=None), tuple(cmds))
+
+    # -- background prefill ------------------------------------------------------------------------
+    def prefix_ready(self, s: SessionState, *, token: int, worker: WorkerId, divergence: int, prefix_tokens: int,
+                     block_size: int, pending_requests: int, kv_usage: float, cost: CostParams,
+                     learned: Learned) -> Step:
+        """The next turn's prefix (``prefix_tokens`` long) shares ``divergence`` tokens with what the
+        worker cached: decide whether to prefill it there. The prefill timer stays armed until the
+        prefill is done, so if the replica running it dies, the replica that claims the timer next runs
+        it again."""
+        answer = s.answer
+        if s.timer(PREFILL) != token or answer is None or s.lifecycle.state is not State.AWAITING_USER:
+            return Step(s)
+        # The continuation is counted under the size the next turn would carry (the canonical prefix),
+        # now that it is known, rather than the context at the answer (which still holds its reasoning).
+        answer = replace(answer, size=prefix_tokens)
+        s = replace(s, answer=answer)
+        gain = gain_tokens(divergence, prefix_tokens, block_size)
+        p = learned.continues.p(answer.tenant, answer.size)
+        d = decide(self.params.prefill, gain, p, pending_requests=pending_requests, kv_usage=kv_usage)
+        cmds: list[Command] = [Count("prefill_decisions", d.reason)]
+        if not d.issue:
+            return Step(s.without_timer(PREFILL), tuple(cmds))
+        old = s.prefill
+        if old is not None and old.token != token:  # an older one nobody used
+            cmds += ([CancelPrefill(old.worker, old.token)] if old.running else []) + [Count("prefills", "wasted")]
+        gain_ms = cost.p1_ms * gain + cost.p_attn_ms * gain * divergence / 1e6
+        cmds += [IssuePrefill(worker, token), Count("prefills", "issued")]
+        return Step(replace(s, prefill=PendingPrefill(worker, divergence, gain_ms, token)), tuple(cmds))
+
+    def prefill_done(self, s: SessionState, *, token: int, ok: bool) -> Step:
+        cmds = (Count("prefills", "completed" if ok else "failed"),)
+        if s.timer(PREFILL) == token:
+            s = s.without_timer(PREFILL)
+        p = s.prefill
+        if p is None or p.token != token or not p.running:
+            return Step(s, cmds)
+        return Step(replace(s, prefill=replace(p, running=False)), cmds)
