@@ -65,6 +65,22 @@ def test_salt_isolates_chains() -> None:
     assert s.num_cached_tokens == 8
 
 
+def test_a_prefill_one_token_short_is_not_run_as_a_decode_burst() -> None:
+    c = core()
+    d = SimRequest("d", list(range(4)), list(range(50)))  # decoding: takes one token of every pass
+    c.add_request(d)
+    for _ in range(2):
+        c.finish_step(c.schedule(), 0.0)
+    # 64-token budget: 1 for d's decode, 63 for r's 64-token prompt; r's last prompt token is left over.
+    r = SimRequest("r", list(range(100, 164)), list(range(10)))
+    c.add_request(r)
+    c.finish_step(c.schedule(), 1.0)
+    assert r.known_len - r.num_computed == 1 and r.generated == 0
+    assert c.decode_burst(1e9) == (0, 0.0)  # a burst would emit r's first token unseen
+    outs = c.finish_step(c.schedule(), 2.0)
+    assert any(o.request is r for o in outs) and r.first_token_time == 2.0
+
+
 def test_chunked_prefill_respects_token_budget() -> None:
     c = core()
     r = SimRequest("a", list(range(150)), [1, 2])

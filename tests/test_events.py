@@ -7,10 +7,10 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from kvgate.config import SimSettings
 from kvgate.router.hashing import VllmHasher, event_int
 from kvgate.serving import start_server
 from kvgate.sim.server import SimWorker
+from kvgate.sim.settings import SimSettings
 from kvgate.tokens.tokenizer import ChatTokenizer
 from tests.conftest import free_port
 

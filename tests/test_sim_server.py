@@ -8,9 +8,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvgate.config import SimSettings
 from kvgate.serving import ServerHandle, start_server
 from kvgate.sim.server import SimWorker
+from kvgate.sim.settings import SimSettings
 from kvgate.tokens.tokenizer import ChatTokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]

@@ -103,6 +103,13 @@ class BlockPool:
     def cached_hashes(self) -> set[BlockHash]:
         return set(self._cached)
 
+    def host_hit(self, hashes: Sequence[BlockHash], start: int, max_blocks: int) -> int:
+        """vLLM's block pool has no host tier (LMCache is modelled beside it, ``tiers.py``)."""
+        return 0
+
+    def load_back(self, hashes: Sequence[BlockHash], pages: Sequence[int]) -> float:
+        raise ValueError("vLLM's block pool has no host tier")
+
     # -- mutations -----------------------------------------------------------------------------
     def touch(self, block_ids: Iterable[int]) -> None:
         """Take a reference on cache-hit blocks (pulling free ones out of the LRU queue)."""
@@ -146,8 +153,9 @@ class BlockPool:
         parent: BlockHash | None,
         token_ids: Sequence[int],
         extra_keys: tuple[object, ...] | None = None,
-    ) -> None:
-        """Mark newly full blocks as cached under their hashes and emit BlockStored for them."""
+    ) -> list[int]:
+        """Mark newly full blocks as cached under their hashes and emit BlockStored for them. Returns the
+        blocks backing them: the request's own (vLLM keeps a duplicate in use rather than swap it)."""
         assert len(block_ids) == len(hashes), "one hash per block"
         assert len(token_ids) == len(hashes) * self.block_size, "token_ids must cover the blocks exactly"
         run: list[int] = []  # indexes of a contiguous run of newly stored blocks
@@ -166,6 +174,7 @@ class BlockPool:
                 prev = hashes[i - 1] if i > 0 else parent
             run.append(i)
         self._emit_stored(run, hashes, token_ids, prev, extra_keys)
+        return list(block_ids)
 
     def _emit_stored(self, run: list[int], hashes: Sequence[BlockHash], token_ids: Sequence[int],
                      parent: BlockHash | None, extra_keys: tuple[object, ...] | None) -> None:

@@ -1,4 +1,5 @@
-"""The simulated engine's core: vLLM v1-style continuous batching over a paged prefix cache.
+"""The simulated engine's core: vLLM v1-style continuous batching over a paged prefix cache — vLLM's block
+pool or SGLang's radix tree, chosen by the ``EngineKind`` (``kinds.py``).
 
 No clocks and no I/O: ``schedule()`` plans one step and says how long it takes, ``finish_step()``
 applies it and returns the tokens it produced. A driver (real time in ``runner.py``, virtual time in
@@ -15,8 +16,9 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvgate.router.hashing import BlockHash, VllmHasher
-from kvgate.sim.blockpool import BlockPool, KVEvent
+from kvgate.router.hashing import BlockHash, BlockHasher
+from kvgate.sim.blockpool import KVEvent
+from kvgate.sim.kinds import KINDS, VLLM, EngineKind, PrefixPool, make_hasher
 from kvgate.sim.tiers import EngineTiers
 from kvgate.sim.timing import TimingProfile
 
@@ -118,8 +120,9 @@ _NO_HIT = _TierHit(0, 0.0, [], 0, 0)
 
 
 class EngineCore:
-    def __init__(self, profile: TimingProfile, hasher: VllmHasher, num_blocks: int | None = None,
-                 tiers: EngineTiers | None = None, background_chunk: int = 2048) -> None:
+    def __init__(self, profile: TimingProfile, hasher: BlockHasher, num_blocks: int | None = None,
+                 tiers: EngineTiers | None = None, background_chunk: int = 2048, kind: EngineKind = VLLM,
+                 pool: PrefixPool | None = None) -> None:
         if hasher.block_size != profile.block_size:
             raise ValueError("hasher and profile disagree on block size")
         if tiers is not None and tiers.chunk_tokens % profile.block_size:
@@ -127,7 +130,10 @@ class EngineCore:
         self.profile = profile
         self.hasher = hasher
         self.block_size = profile.block_size
-        self.pool = BlockPool(num_blocks or profile.num_blocks, profile.block_size)
+        self.kind = kind
+        if pool is not None and pool.block_size != profile.block_size:
+            raise ValueError("pool and profile disagree on block size")
+        self.pool = pool or kind.make_pool(num_blocks or profile.num_blocks, profile.block_size)
         self.tiers = tiers
         self.background_chunk = background_chunk
         self.waiting: deque[SimRequest] = deque()
@@ -257,9 +263,10 @@ class EngineCore:
             self._ensure_hashes(req, max_hit_blocks)
             hit = self.pool.longest_hit(req.hashes, max_hit_blocks)
             hit_tokens = len(hit) * self.block_size
-            th = self._tier_hit(req, hit_tokens, max_hit_blocks)
+            host = self.pool.host_hit(req.hashes, len(hit), max_hit_blocks)  # SGLang HiCache's host tier
+            th = self._tier_hit(req, hit_tokens + host * self.block_size, max_hit_blocks)
             ext = th.tokens
-            done = hit_tokens + ext
+            done = hit_tokens + host * self.block_size + ext
             num_new = min(budget, req.known_len - done, self.background_chunk if req.background else budget)
             need = -(-(done + num_new) // self.block_size) - len(hit)
             # Hit blocks sitting in the free queue are not free for this request's allocation.
@@ -275,8 +282,14 @@ class EngineCore:
             got = self.pool.allocate(need) if need > 0 else []
             assert got is not None, "free count was checked"
             req.blocks = hit + got
-            req.num_cached_blocks = len(hit)
+            req.num_cached_blocks = len(hit) + host
             req.num_computed = done
+            if host:
+                # Loaded back from host memory before the prefill (SGLang's init_load_back).
+                ms = self.pool.load_back(req.hashes[len(hit) : len(hit) + host], got[:host])
+                self.stats.loaded_cpu_tokens += host * self.block_size
+                self.stats.load_ms += ms
+                load_ms += ms
             if ext:
                 assert self.tiers is not None
                 self.tiers.retrieve(th.keys)
@@ -334,8 +347,9 @@ class EngineCore:
             return
         self._ensure_hashes(req, full)
         a = req.num_cached_blocks
-        self.pool.cache_blocks(req.blocks[a:full], req.hashes[a:full], req.hashes[a - 1] if a > 0 else None,
-                               req.tokens(a * bs, full * bs), (req.cache_salt,) if req.cache_salt else None)
+        req.blocks[a:full] = self.pool.cache_blocks(
+            req.blocks[a:full], req.hashes[a:full], req.hashes[a - 1] if a > 0 else None,
+            req.tokens(a * bs, full * bs), (req.cache_salt,) if req.cache_salt else None)
         req.num_cached_blocks = full
         if self.tiers is not None and store:
             per = self.tiers.chunk_tokens // bs
@@ -348,10 +362,12 @@ class EngineCore:
             req = s.request
             if req.status is not Status.RUNNING:
                 continue  # aborted or preempted while the step ran
-            if req.generated == 0 or s.num_new > 1:
+            extend = req.generated == 0 or s.num_new > 1
+            if extend:
                 self.stats.computed_prefill_tokens += s.num_new
             req.num_computed += s.num_new
-            self._cache_full_blocks(req)
+            if extend or self.kind.cache_while_decoding:
+                self._cache_full_blocks(req)
             if req.num_computed == req.known_len:
                 tok = req.output[req.generated]
                 req.generated += 1
@@ -377,7 +393,9 @@ class EngineCore:
             return 0, 0.0
         bs = self.block_size
         for r in self.running:
-            if r.known_len - r.num_computed != 1:
+            # A request one prompt token short of its first token (a chunked prefill that ended one token
+            # before the prompt's end) is not decoding yet: its next step emits the first token.
+            if r.known_len - r.num_computed != 1 or r.generated == 0:
                 return 0, 0.0
         k_max = min(len(r.output) - r.generated for r in self.running) - 1
         if k_max < 2:
@@ -404,11 +422,14 @@ class EngineCore:
                 r.blocks.extend(got)
             r.num_computed += k
             r.generated += k
-            self._cache_full_blocks(r)
+            if self.kind.cache_while_decoding:
+                self._cache_full_blocks(r)
         self.stats.generation_tokens += k * batch
         return k, elapsed
 
     def _finish(self, req: SimRequest, now: float) -> None:
+        if not self.kind.cache_while_decoding:
+            self._cache_full_blocks(req)  # SGLang's final insert: prompt and output, page-aligned
         self.running.remove(req)
         self.pool.free(req.blocks)
         req.blocks = []
@@ -422,3 +443,22 @@ class EngineCore:
 
     def cached_block_count(self) -> int:
         return len(self.pool.cached_hashes())
+
+
+def make_core(engine: str, profile: TimingProfile, num_blocks: int | None = None, hash_seed: str | None = "0",
+              tiers: EngineTiers | None = None, hicache_ratio: float | None = None) -> EngineCore:
+    """One simulated worker of ``engine`` ("vllm" or "sglang") for virtual-time drivers (the fleet
+    benchmarks): its hasher is ``core.hasher``, and ``core.kind.event_int`` turns the digests in its
+    ``take_events()`` into the ids its KV events carry. ``hicache_ratio`` (SGLang only) adds a HiCache
+    host tier of that many times the device pages (SGLang's ``--hicache-ratio``)."""
+    kind = KINDS[engine]
+    blocks = num_blocks or profile.num_blocks
+    pool: PrefixPool | None = None
+    if hicache_ratio is not None:
+        if kind.name != "sglang":
+            raise ValueError("HiCache is SGLang's; vLLM's host tier is LMCache (tiers=)")
+        from kvgate.sim.hicache import HiCachePool
+
+        pool = HiCachePool(blocks, profile.block_size, max(1, int(blocks * hicache_ratio)))
+    return EngineCore(profile, make_hasher(kind, profile.block_size, "sha256", hash_seed), blocks, tiers, kind=kind,
+                      pool=pool)

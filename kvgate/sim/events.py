@@ -1,4 +1,5 @@
-"""KV events on ZMQ in vLLM's wire format.
+"""KV events on ZMQ in vLLM's or SGLang's wire format (the same framing; the events differ, see
+``kinds.py``).
 
 PUB frames ``[topic, seq (8 bytes big-endian), msgpack([ts, [event, ...], dp_rank])]``; each event
 a map tagged by ``"type"`` (vLLM ≥ 0.26), block hashes as the digest's low 64 bits. A ROUTER replay
@@ -17,49 +18,29 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-import msgpack
 import zmq
 import zmq.asyncio
 
-from kvgate.router.hashing import event_int
-from kvgate.sim.blockpool import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvgate.sim.blockpool import KVEvent
+from kvgate.sim.kinds import VLLM, EngineKind, encode_vllm_event
+from kvgate.sim.kinds import encode_batch as encode_kind_batch
 
 log = logging.getLogger(__name__)
 
 
 def encode_event(ev: KVEvent) -> dict[str, Any]:
-    if isinstance(ev, BlockStored):
-        # Field for field what vLLM 0.32 publishes (captured from a real worker): untagged per-block
-        # extra keys, the salt on the chain's first block only.
-        first = list(ev.extra_keys) if ev.extra_keys is not None and ev.parent_block_hash is None else None
-        return {
-            "type": "BlockStored",
-            "block_hashes": [event_int(h) for h in ev.block_hashes],
-            "parent_block_hash": event_int(ev.parent_block_hash) if ev.parent_block_hash else None,
-            "token_ids": list(ev.token_ids),
-            "block_size": ev.block_size,
-            "lora_id": None,
-            "medium": ev.medium,
-            "lora_name": None,
-            "extra_keys": [first] + [None] * (len(ev.block_hashes) - 1),
-            "group_idx": 0,
-            "kv_cache_spec_kind": "full_attention",
-        }
-    if isinstance(ev, BlockRemoved):
-        return {"type": "BlockRemoved", "block_hashes": [event_int(h) for h in ev.block_hashes],
-                "medium": ev.medium, "group_idx": 0}
-    assert isinstance(ev, AllBlocksCleared)
-    return {"type": "AllBlocksCleared"}
+    return encode_vllm_event(ev)
 
 
-def encode_batch(events: list[KVEvent], ts: float) -> bytes:
-    packed: bytes = msgpack.packb([ts, [encode_event(e) for e in events], 0], use_bin_type=True)
-    return packed
+def encode_batch(events: list[KVEvent], ts: float, kind: EngineKind = VLLM) -> bytes:
+    return encode_kind_batch(kind, events, ts)
 
 
 class KVEventPublisher:
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
-                 buffer_steps: int = 10_000, wall: Callable[[], float] = time.time) -> None:
+                 buffer_steps: int = 10_000, wall: Callable[[], float] = time.time,
+                 kind: EngineKind = VLLM) -> None:
+        self._kind = kind
         self._ctx = zmq.asyncio.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
@@ -84,7 +65,7 @@ class KVEventPublisher:
         if not events:
             return
         seq = next(self._seq)
-        payload = encode_batch(events, self._wall())
+        payload = encode_kind_batch(self._kind, events, self._wall())
         self._buffer.append((seq, payload))
         # PUB never blocks: a slow subscriber loses messages and must replay.
         self._pub.send_multipart([self._topic, seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK)
@@ -98,10 +79,13 @@ class KVEventPublisher:
                 continue
             ident, _, start_b = frames
             start = int.from_bytes(start_b, "big")
+            # SGLang's replies repeat the topic frame; vLLM's carry only seq and payload.
+            head = [ident, b"", self._topic] if self._kind.replay_repeats_topic else [ident, b""]
             for seq, payload in list(self._buffer):
                 if seq >= start:
-                    await self._replay.send_multipart([ident, b"", seq.to_bytes(8, "big"), payload])
-            await self._replay.send_multipart([ident, b"", (-1).to_bytes(8, "big", signed=True), b""])
+                    await self._replay.send_multipart([*head, seq.to_bytes(8, "big"), payload])
+            end = [ident, b"", b""] if self._kind.replay_repeats_topic else [ident, b""]
+            await self._replay.send_multipart([*end, (-1).to_bytes(8, "big", signed=True), b""])
 
     async def close(self) -> None:
         if self._task is not None:

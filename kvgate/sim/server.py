@@ -1,4 +1,5 @@
-"""The simulated worker's HTTP server: vLLM's OpenAI-compatible wire format over ``EngineCore``."""
+"""The simulated worker's HTTP server: vLLM's or SGLang's OpenAI-compatible wire format (``dialects.py``)
+over ``EngineCore``."""
 
 from __future__ import annotations
 
@@ -20,14 +21,14 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvgate.clock import Clock, MonotonicClock
-from kvgate.config import SimSettings
-from kvgate.router.hashing import VllmHasher
 from kvgate.sim.behaviour import BadSimSpec, script_for
+from kvgate.sim.dialects import dialect_for
 from kvgate.sim.engine import EngineCore, SimRequest, TokenOutput
 from kvgate.sim.events import KVEventPublisher
-from kvgate.sim.metrics import EngineCollector
+from kvgate.sim.kinds import make_hasher
 from kvgate.sim.output import Delta, RenderedOutput, tool_call_json
 from kvgate.sim.runner import EngineRunner
+from kvgate.sim.settings import SimSettings
 from kvgate.sim.timing import get_profile
 from kvgate.tokens.template import TemplateError
 from kvgate.tokens.tinymodel import ensure_tiny_model
@@ -47,12 +48,6 @@ _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "tools", "tool_choice", "parallel_t
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 
 
-def _err(message: str, status: int, type_: str = "BadRequestError", param: str | None = None) -> JSONResponse:
-    # vLLM's error body: OpenAI's shape with the HTTP status as the code.
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}},
-                        status_code=status)
-
-
 class SimWorker:
     """One simulated vLLM worker: tokenizer, engine core, real-time runner, optional KV events."""
 
@@ -70,8 +65,15 @@ class SimWorker:
         if settings.max_num_seqs:
             overrides["max_num_seqs"] = settings.max_num_seqs
         self.profile = profile.with_overrides(**overrides)
-        self.hasher = VllmHasher(self.profile.block_size, settings.hash_algo, settings.hash_seed)
-        self.core = EngineCore(self.profile, self.hasher)
+        self.dialect = dialect_for(settings.engine, settings.enable_cache_report)
+        self.hasher = make_hasher(self.dialect.kind, self.profile.block_size, settings.hash_algo, settings.hash_seed)
+        pool = None
+        if settings.hicache_ratio is not None:
+            from kvgate.sim.hicache import HiCachePool
+
+            blocks = self.profile.num_blocks
+            pool = HiCachePool(blocks, self.profile.block_size, max(1, int(blocks * settings.hicache_ratio)))
+        self.core = EngineCore(self.profile, self.hasher, kind=self.dialect.kind, pool=pool)
         self.clock = clock or MonotonicClock(settings.speed)
         self.publisher: KVEventPublisher | None = None
         self.runner = EngineRunner(self.core, self.clock, self._publish)
@@ -79,6 +81,7 @@ class SimWorker:
         self.in_flight = 0
         self.ignored_fields: list[str] = []
         """Top-level request fields this worker did not use, as vLLM warns about them."""
+        self.started_at = time.time()
 
     def _publish(self, events: list[Any]) -> None:
         if self.publisher is not None:
@@ -87,8 +90,10 @@ class SimWorker:
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
         s = self.settings
+        self.started_at = time.time()
         if s.kv_events_endpoint:
-            self.publisher = KVEventPublisher(s.kv_events_endpoint, s.kv_replay_endpoint, s.kv_events_topic)
+            self.publisher = KVEventPublisher(s.kv_events_endpoint, s.kv_replay_endpoint, s.kv_events_topic,
+                                              kind=self.dialect.kind)
             self.publisher.start()
         self.runner.start()
 
@@ -104,12 +109,15 @@ class SimWorker:
 
     async def _body(self, request: Request) -> dict[str, Any] | JSONResponse:
         """The request's JSON object for this model, or vLLM's error answer."""
+        key = self.settings.api_key
+        if key is not None and request.headers.get("authorization") != f"Bearer {key}":
+            return JSONResponse({"error": "Unauthorized"}, status_code=401)  # vLLM's --api-key answer
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
-            return _err("Invalid JSON body", 400)
+            return self.dialect.error("Invalid JSON body", 400)
         if not isinstance(body, dict):
-            return _err("Request body must be a JSON object", 400)
+            return self.dialect.error("Request body must be a JSON object", 400)
         bad = self._check_model(body)
         return bad if bad is not None else body
 
@@ -120,36 +128,32 @@ class SimWorker:
             self.ignored_fields = extra
 
     def _check_model(self, body: dict[str, Any]) -> JSONResponse | None:
-        model = body.get("model")
-        if model is not None and model != self.settings.model:
-            return _err(f"The model `{model}` does not exist.", 404, "NotFoundError", "model")
-        return None
+        return self.dialect.check_model(body.get("model"), self.settings.model)
 
-    def _max_tokens(self, body: dict[str, Any], prompt_len: int) -> int | JSONResponse:
+    def _max_tokens(self, body: dict[str, Any], prompt_len: int, chat: bool = True) -> int | JSONResponse:
         limit = self.settings.max_model_len
         if prompt_len >= limit:
-            return _err(f"This model's maximum context length is {limit} tokens. However, your request has "
-                        f"{prompt_len} input tokens. Please reduce the length of the input messages.", 400)
-        mt = body.get("max_completion_tokens", body.get("max_tokens"))
-        if mt is None:
+            return self.dialect.error(self.dialect.too_long(prompt_len, limit, None), 400)
+        mt = self.dialect.requested_tokens(body, chat)
+        if isinstance(mt, str):
+            return self.dialect.error(mt, 400, param="max_tokens")
+        if mt is None or mt == 0:
+            # No limit asked for (SGLang's chat also reads 0 so): up to the context, as the engines do.
             return limit - prompt_len
-        if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
-            return _err("max_tokens must be a positive integer", 400, param="max_tokens")
         if prompt_len + mt > limit:
-            return _err(f"This model's maximum context length is {limit} tokens. However, you requested "
-                        f"{prompt_len + mt} tokens ({prompt_len} in the messages, {mt} in the completion).",
-                        400, param="max_tokens")
-        return int(mt)
+            return self.dialect.error(self.dialect.too_long(prompt_len, limit, mt), 400, param="max_tokens")
+        return mt
 
     def _usage(self, req: SimRequest, completion: int) -> dict[str, Any]:
-        cached = max(0, req.num_cached_tokens)
-        return {
-            "prompt_tokens": len(req.prompt),
-            "total_tokens": len(req.prompt) + completion,
-            "completion_tokens": completion,
-            # vLLM 0.32 with --enable-prompt-tokens-details always reports them, zero included.
-            "prompt_tokens_details": {"cached_tokens": cached},
-        }
+        return self.dialect.usage(req, completion)
+
+    def _request(self, rid: str, prompt: list[int], out_ids: list[int], body: dict[str, Any]) -> SimRequest:
+        salt = body.get("cache_salt")
+        prio = body.get("priority")
+        background = (self.settings.priority_scheduling and isinstance(prio, int) and not isinstance(prio, bool)
+                      and self.dialect.is_background(prio))
+        return SimRequest(rid, prompt, out_ids, cache_salt=salt if isinstance(salt, str) and salt else None,
+                          background=background)
 
     async def _until_disconnect(self, request: Request, aw: Awaitable[T]) -> T | None:
         """Await ``aw`` unless the client goes away first (then None), as vLLM aborts on disconnect."""
@@ -181,15 +185,15 @@ class SimWorker:
         self._note_ignored(body, _CHAT_FIELDS)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            return _err("messages must be a non-empty list of objects", 400, param="messages")
+            return self.dialect.error("messages must be a non-empty list of objects", 400, param="messages")
         tools = body.get("tools") if isinstance(body.get("tools"), list) else None
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
-            return _err("chat_template_kwargs must be an object", 400, param="chat_template_kwargs")
+            return self.dialect.error("chat_template_kwargs must be an object", 400, param="chat_template_kwargs")
         try:
             prompt = self.tokenizer.encode_chat(messages, tools, True, kwargs)
         except TemplateError as exc:
-            return _err(str(exc), 400, param="messages")
+            return self.dialect.error(str(exc), 400, param="messages")
         max_tokens = self._max_tokens(body, len(prompt))
         if isinstance(max_tokens, JSONResponse):
             return max_tokens
@@ -197,11 +201,10 @@ class SimWorker:
         try:
             script = script_for(messages, tools, body.get("sim"), _key(prompt), rid)
         except BadSimSpec as exc:
-            return _err(str(exc), 400, param="sim")
+            return self.dialect.error(str(exc), 400, param="sim")
         thinking = kwargs.get("enable_thinking", True) is not False
         out = RenderedOutput(script, self.tokenizer, thinking, max_tokens)
-        salt = body.get("cache_salt")
-        req = SimRequest(rid, prompt, out.token_ids, cache_salt=salt if isinstance(salt, str) else None)
+        req = self._request(rid, prompt, out.token_ids, body)
         created = int(time.time())
         model = self.settings.model
         if body.get("stream"):
@@ -273,10 +276,10 @@ class SimWorker:
         elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
             prompt = [int(t) for t in p]
             if any(t < 0 or t >= self.tokenizer.vocab_size for t in prompt):
-                return _err("prompt token id out of vocabulary", 400, param="prompt")
+                return self.dialect.error("prompt token id out of vocabulary", 400, param="prompt")
         else:
-            return _err("prompt must be a string or a non-empty list of token ids", 400, param="prompt")
-        max_tokens = self._max_tokens({"max_tokens": body.get("max_tokens", 16)}, len(prompt))
+            return self.dialect.error("prompt must be a string or a non-empty list of token ids", 400, param="prompt")
+        max_tokens = self._max_tokens(body, len(prompt), chat=False)
         if isinstance(max_tokens, JSONResponse):
             return max_tokens
         rid = self._new_id("cmpl")
@@ -288,10 +291,9 @@ class SimWorker:
         try:
             script = script_for(None, None, {**spec, "tool_calls": 0}, _key(prompt), rid)
         except BadSimSpec as exc:
-            return _err(str(exc), 400, param="sim")
+            return self.dialect.error(str(exc), 400, param="sim")
         out = RenderedOutput(script, self.tokenizer, False, max_tokens)
-        salt = body.get("cache_salt")
-        req = SimRequest(rid, prompt, out.token_ids, cache_salt=salt if isinstance(salt, str) else None)
+        req = self._request(rid, prompt, out.token_ids, body)
         created = int(time.time())
         model = self.settings.model
         if body.get("stream"):
@@ -359,9 +361,9 @@ class SimWorker:
             elif isinstance(body.get("prompt"), str):
                 ids = self.tokenizer.encode(body["prompt"], bool(body.get("add_special_tokens", True)))
             else:
-                return _err("either prompt or messages is required", 400)
+                return self.dialect.error("either prompt or messages is required", 400)
         except TemplateError as exc:
-            return _err(str(exc), 400, param="messages")
+            return self.dialect.error(str(exc), 400, param="messages")
         return JSONResponse({"count": len(ids), "max_model_len": self.settings.max_model_len,
                              "tokens": ids, "token_strs": None})
 
@@ -369,10 +371,10 @@ class SimWorker:
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
-            return _err("Invalid JSON body", 400)
+            return self.dialect.error("Invalid JSON body", 400)
         toks = body.get("tokens") if isinstance(body, dict) else None
         if not isinstance(toks, list) or not all(isinstance(t, int) for t in toks):
-            return _err("tokens must be a list of integers", 400, param="tokens")
+            return self.dialect.error("tokens must be a list of integers", 400, param="tokens")
         return JSONResponse({"prompt": self.tokenizer.decode(toks)})
 
     def build_app(self) -> FastAPI:
@@ -384,9 +386,10 @@ class SimWorker:
             finally:
                 await self.stop()
 
-        app = FastAPI(title="kvgate simulated vLLM worker", lifespan=lifespan)
+        app = FastAPI(title=f"kvgate simulated {self.settings.engine} worker", lifespan=lifespan)
         registry = CollectorRegistry()
-        registry.register(EngineCollector(self.core, self.settings.model, lambda: self.runner.aborted))
+        registry.register(self.dialect.collector(self.core, self.settings.model, lambda: self.runner.aborted,
+                                                 lambda: self.started_at))
         app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
@@ -395,8 +398,9 @@ class SimWorker:
         @app.get("/v1/models")
         async def models() -> dict[str, Any]:
             return {"object": "list", "data": [{
-                "id": self.settings.model, "object": "model", "created": int(time.time()), "owned_by": "vllm",
-                "root": str(self.model_dir), "parent": None, "max_model_len": self.settings.max_model_len}]}
+                "id": self.settings.model, "object": "model", "created": int(time.time()),
+                "owned_by": self.dialect.owned_by, "root": str(self.model_dir), "parent": None,
+                "max_model_len": self.settings.max_model_len}]}
 
         @app.get("/health")
         async def health() -> Response:
@@ -410,10 +414,10 @@ class SimWorker:
         async def metrics() -> Response:
             return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-        @app.post("/reset_prefix_cache")
         async def reset() -> Response:
-            ok = self.core.reset_prefix_cache()
-            return Response(status_code=200 if ok else 409)
+            return self.dialect.reset_response(self.core.reset_prefix_cache())
+
+        app.add_api_route(self.dialect.reset_path, reset, methods=list(self.dialect.reset_methods))
 
         @app.get("/kv_event_sources")
         async def kv_event_sources() -> dict[str, Any]:
@@ -421,9 +425,26 @@ class SimWorker:
             s = self.settings
             return {"endpoint": s.kv_events_endpoint, "replay_endpoint": s.kv_replay_endpoint,
                     "topic": s.kv_events_topic, "block_size": self.profile.block_size,
-                    "hash_algo": s.hash_algo}
+                    "hash_algo": s.hash_algo, "engine": s.engine}
 
+        if self.dialect.server_info:
+            app.add_api_route("/server_info", self.server_info, methods=["GET"])
         return app
+
+    async def server_info(self) -> dict[str, Any]:
+        """The part of SGLang's ``/server_info`` a KV-aware router reads (``describe_kv_events_publisher``)."""
+        s = self.settings
+        info: dict[str, Any] = {"page_size": self.profile.block_size, "served_model_name": s.model,
+                                "context_length": s.max_model_len, "enable_cache_report": s.enable_cache_report}
+        ep = s.kv_events_endpoint
+        if ep and ep.startswith("tcp://"):
+            host, _, port = ep[len("tcp://"):].rpartition(":")
+            kv: dict[str, Any] = {"publisher": "zmq", "endpoint_host": host, "endpoint_port_base": int(port),
+                                  "topic": s.kv_events_topic, "block_size": self.profile.block_size, "dp_size": 1}
+            if s.kv_replay_endpoint and s.kv_replay_endpoint.startswith("tcp://"):
+                kv["replay_endpoint_port_base"] = int(s.kv_replay_endpoint.rpartition(":")[2])
+            info["kv_events"] = kv
+        return info
 
 
 def _include_usage(body: dict[str, Any]) -> bool:

@@ -1,0 +1,74 @@
+"""What a gateway knows of a simulated fleet in virtual time, shared by the fleet replays (the Mooncake
+benchmark's ``bench/fleet.py``, the agent fleet of ``sim/sessions.py`` and ``kvgate tune``): its own
+accounting per worker, the engines' next events, and their KV events applied to kvgate's index."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvgate.router.hashing import event_int
+from kvgate.router.index import PrefixIndex
+from kvgate.router.types import WorkerId, WorkerView
+from kvgate.sim.blockpool import BlockRemoved, BlockStored, KVEvent
+from kvgate.sim.engine import EngineCore, StepPlan
+
+
+@dataclass(slots=True)
+class Accounting:
+    """What the gateway knows of one worker: only what it sent and what came back (``WorkerPool``'s
+    accounting, for workers in virtual time)."""
+
+    in_flight: int = 0
+    pending_prefill: int = 0
+    pending_requests: int = 0
+    decode_requests: int = 0
+    decode_tokens: int = 0
+
+    def sent(self, prefill_tokens: int) -> None:
+        self.in_flight += 1
+        self.pending_prefill += prefill_tokens
+        self.pending_requests += 1
+
+    def first_token(self, prefill_tokens: int, context_tokens: int) -> None:
+        self.pending_prefill -= prefill_tokens
+        self.pending_requests -= 1
+        self.decode_requests += 1
+        self.decode_tokens += context_tokens
+
+    def finished(self, context_tokens: int) -> None:
+        self.in_flight -= 1
+        self.decode_requests -= 1
+        self.decode_tokens -= context_tokens
+
+    def view(self, wid: WorkerId, **extra: Any) -> WorkerView:
+        return WorkerView(wid, "m", True, self.in_flight, pending_prefill_tokens=self.pending_prefill,
+                          pending_requests=self.pending_requests, decode_requests=self.decode_requests,
+                          decode_tokens=self.decode_tokens, **extra)
+
+
+def next_step(core: EngineCore, horizon_ms: float) -> tuple[float, StepPlan | None] | None:
+    """An engine's next event in virtual time: (ms, None) for a stretch of pure decode run as one event
+    (up to ``horizon_ms``), (ms, plan) for one scheduled step, None when it has nothing to run. The
+    caller takes the KV events the step produced."""
+    if not core.has_work():
+        return None
+    steps, ms = core.decode_burst(horizon_ms)
+    if steps:
+        return ms, None
+    plan = core.schedule()
+    return (plan.duration_ms, plan) if plan.scheduled else None
+
+
+def apply_events(index: PrefixIndex, wid: WorkerId, events: list[KVEvent],
+                 event_int: Callable[[bytes], int] = event_int) -> None:
+    """A simulated engine's KV events into kvgate's index, applied directly (the wire format is covered
+    by the engine tests); ``event_int``: the engine's digest-to-id rule (``core.kind.event_int``)."""
+    for ev in events:
+        if isinstance(ev, BlockStored):
+            index.store(wid, [event_int(h) for h in ev.block_hashes])
+        elif isinstance(ev, BlockRemoved):
+            index.remove(wid, [event_int(h) for h in ev.block_hashes])
+        else:
+            index.clear(wid)
