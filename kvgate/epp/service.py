@@ -1,0 +1,65 @@
+"""The ``envoy.service.ext_proc.v3.ExternalProcessor`` service: one ``Process`` stream per HTTP request."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from prometheus_client import Counter, Histogram
+
+from kvgate.epp.stream import EppStream, Unsupported
+from kvgate.grpc.gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from kvgate.grpc.gen.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as epgrpc
+
+if TYPE_CHECKING:
+    from kvgate.gateway.app import Gateway
+
+log = logging.getLogger(__name__)
+
+
+class EppMetrics:
+    def __init__(self, gw: Gateway) -> None:
+        r = gw.metrics.registry
+        self.decision = Histogram("kvgate_epp_decision_seconds", "Endpoint picker: from the end of a request's "
+                                  "body to the pick (prepare, plan, pick)", registry=r,
+                                  buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0))
+        self.streams = Counter("kvgate_epp_streams", "Endpoint picker ext_proc streams by how they ended: "
+                               "completed, aborted (ended before the response did), rejected (an immediate "
+                               "response), refused (an unsupported filter configuration), observability "
+                               "(the filter runs in observability mode)", ["outcome"], registry=r)
+
+
+class ExtProcService(epgrpc.ExternalProcessorServicer):
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+        self.metrics = EppMetrics(gw)
+
+    async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest],
+                      context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[ep.ProcessingResponse]:
+        stream = EppStream(self.gw, self.metrics)
+        outcome = "aborted"
+        try:
+            async for req in request_iterator:
+                if req.observability_mode:
+                    # Envoy ignores answers in this mode: the picker cannot pick. Closing the stream cleanly
+                    # tells it no more messages are needed.
+                    outcome = "observability"
+                    return
+                try:
+                    out = await stream.handle(req)
+                except Unsupported as exc:
+                    outcome = "refused"
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+                for resp in out:
+                    yield resp
+                if stream.done:
+                    outcome = "rejected"
+                    return
+            outcome = "completed" if stream.finished or stream.ex is None else "aborted"
+        finally:
+            if outcome == "aborted" and stream.ex is not None and not stream.finished:
+                log.debug("ext_proc stream ended before its response: %s", stream.ex.prepared.ident.conversation_id)
+            stream.close()
+            self.metrics.streams.labels(outcome).inc()

@@ -1,0 +1,1 @@
+"""Generated from proto/ by kvgate/dev/protos.py: do not edit."""

@@ -1,0 +1,42 @@
+"""kvgate's errors as gRPC status codes. The OpenAI-style code and parameter of an ``ApiError`` travel in
+the trailing metadata (``kvgate-error-code``, ``kvgate-error-param``), so a client can tell
+``model_not_found`` from ``response_not_found`` as it can over HTTP."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+
+from kvgate.errors import ApiError
+from kvgate.kvstore.conversations import StoreError
+
+T = TypeVar("T")
+
+CODES: dict[int, grpc.StatusCode] = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    404: grpc.StatusCode.NOT_FOUND,
+    409: grpc.StatusCode.FAILED_PRECONDITION,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    422: grpc.StatusCode.INVALID_ARGUMENT,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    502: grpc.StatusCode.UNAVAILABLE,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+async def abort(context: grpc.aio.ServicerContext[Any, Any], exc: ApiError) -> NoReturn:
+    await context.abort(CODES.get(exc.status, grpc.StatusCode.INTERNAL), exc.message,
+                        (("kvgate-error-code", str(exc.code or "")), ("kvgate-error-param", exc.param or "")))
+
+
+async def answer(context: grpc.aio.ServicerContext[Any, Any], aw: Awaitable[T]) -> T:
+    """``aw``'s result, or the call ended with the status its error maps to."""
+    try:
+        return await aw
+    except ApiError as exc:
+        await abort(context, exc)
+    except StoreError as exc:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"conversation store: {exc}",
+                            (("kvgate-error-code", "session_store_unavailable"),))
