@@ -8,6 +8,7 @@ Hierarchy::
     ├── NotFound             404   unknown model or conversation
     ├── Conflict             409   history inconsistent with the stored conversation
     ├── PayloadTooLarge      413   body over the configured limit
+    ├── BadGateway           502   the worker was lost while it had the request
     └── ServiceUnavailable   503   no healthy worker (with Retry-After)
 
 Adapters translate library errors into these, chained with ``from exc``.
@@ -62,6 +63,11 @@ class Conflict(ApiError):
 class PayloadTooLarge(ApiError):
     status = 413
     type = "invalid_request_error"
+
+
+class BadGateway(ApiError):
+    status = 502
+    type = "upstream_error"
 
 
 class ServiceUnavailable(ApiError):

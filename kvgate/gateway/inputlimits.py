@@ -1,0 +1,122 @@
+"""Limits that keep one client's hostile or oversized input from hurting others (docs/hostile-input.md):
+the settings, and the cheap prompt-size bound checked before any rendering or tokenizing."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import httpx
+from pydantic import BaseModel, Field
+
+from kvgate.errors import BadRequest
+from kvgate.safejson import JsonLimits
+
+
+class HostileSettings(BaseModel):
+    """``hostile`` in the gateway settings."""
+
+    model_config = {"extra": "forbid"}
+
+    json_limits: JsonLimits = Field(default_factory=JsonLimits)
+    max_prompt_tokens: int | None = Field(None, ge=16)
+    """A prompt over this many tokens is refused (400 ``context_length_exceeded``) before it is sent.
+    None: each model's context length as its workers report it (``max_model_len`` in vLLM's /v1/models,
+    SGLang's /get_model_info), else the local tokenizer's ``model_max_length``; no limit if neither."""
+    inline_prompt_chars: int = Field(16_384, ge=0)
+    """Prompts up to this many characters are rendered and tokenized on the event loop (cheaper than a
+    thread hop); longer ones in a worker thread, so /health and other requests are not held up."""
+
+
+UNKNOWN_TOKEN_CHARS = 256
+"""Characters one token may cover for a model without a local tokenizer (real vocabularies stay under
+~130: runs of spaces or dashes in code models)."""
+
+
+class PromptLimits:
+    """Per model, the most prompt tokens accepted and the most characters one token covers."""
+
+    def __init__(self, settings: HostileSettings, token_chars: Mapping[str, int],
+                 tokenizer_limits: Mapping[str, int]) -> None:
+        self.settings = settings
+        self.token_chars = dict(token_chars)
+        self.learned: dict[str, int] = {}
+        """Context lengths the workers reported (``learn``)."""
+        self.tokenizer_limits = dict(tokenizer_limits)
+
+    def limit(self, model: str) -> int | None:
+        if self.settings.max_prompt_tokens is not None:
+            return self.settings.max_prompt_tokens
+        return self.learned.get(model) or self.tokenizer_limits.get(model)
+
+    def learn(self, model: str, max_model_len: int) -> None:
+        """A worker's context length; a model's limit is its smallest worker's (any may get the prompt)."""
+        if max_model_len > 0:
+            self.learned[model] = min(self.learned.get(model, max_model_len), max_model_len)
+
+    def check_chars(self, model: str, endpoint: str, body: Mapping[str, Any]) -> None:
+        """Refuse a prompt whose text alone is too long for the context, before rendering or tokenizing."""
+        limit = self.limit(model)
+        if limit is None:
+            return
+        at_least = text_chars(endpoint, body) // self.token_chars.get(model, UNKNOWN_TOKEN_CHARS)
+        if at_least > limit:
+            raise context_exceeded(at_least, limit, exact=False)
+
+    def check_tokens(self, model: str, tokens: int) -> None:
+        limit = self.limit(model)
+        if limit is not None and tokens > limit:
+            raise context_exceeded(tokens, limit, exact=True)
+
+
+def context_exceeded(tokens: int, limit: int, exact: bool) -> BadRequest:
+    """vLLM's and OpenAI's answer to a prompt over the context length, same code and wording."""
+    count = f"{tokens}" if exact else f"at least {tokens}"
+    return BadRequest(f"This model's maximum context length is {limit} tokens. However, your request has "
+                      f"{count} input tokens. Please reduce the length of the input messages.",
+                      param="messages", code="context_length_exceeded")
+
+
+def text_chars(endpoint: str, body: Mapping[str, Any]) -> int:
+    """Characters of text the prompt is made of (message contents, reasoning, tool-call arguments, tool
+    schemas; a completion's prompt): a lower bound on the rendered prompt's length, in O(fields)."""
+    if endpoint != "chat":
+        p = body.get("prompt")
+        if isinstance(p, str):
+            return len(p)
+        if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+            return max(len(x) for x in p)  # each string is its own prompt
+        return 0
+    n = 0
+    for m in body.get("messages") or ():
+        if not isinstance(m, dict):
+            continue
+        for f in ("content", "reasoning", "reasoning_content"):
+            v = m.get(f)
+            if isinstance(v, str):
+                n += len(v)
+            elif isinstance(v, list):
+                n += sum(len(p["text"]) for p in v if isinstance(p, dict) and isinstance(p.get("text"), str))
+        for c in m.get("tool_calls") or ():
+            fn = c.get("function") if isinstance(c, dict) else None
+            a = fn.get("arguments") if isinstance(fn, dict) else None
+            n += len(a) if isinstance(a, str) else 0
+    return n
+
+
+async def learn_context(limits: PromptLimits, client: httpx.AsyncClient, workers: Iterable[tuple[str, str]]) -> None:
+    """Each worker's context length from its /v1/models (``max_model_len``, vLLM and SGLang both report
+    it); a worker that does not answer leaves its model's limit as it was."""
+    async def one(model: str, url: str) -> None:
+        try:
+            r = await client.get(f"{url}/v1/models", timeout=5.0)
+            data = r.json().get("data") if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return
+        for d in data if isinstance(data, list) else ():
+            n = d.get("max_model_len") if isinstance(d, dict) else None
+            if isinstance(n, int) and not isinstance(n, bool):
+                limits.learn(model, n)
+
+    await asyncio.gather(*(one(m, u) for m, u in workers))
