@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-from kvgate.bench.mooncake import DEFAULT_TRACE
+from kvgate.bench.data import SWE_TRAJECTORIES
 from kvgate.bench.swe import CLIENTS, client_messages, load_trajectories
 
-FOLDER = DEFAULT_TRACE.parents[1] / "swe-agent-trajectories"
+FOLDER = SWE_TRAJECTORIES
 
 
 def replies(n: int) -> list[dict[str, object]]:

@@ -20,17 +20,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from kvgate.config import GatewaySettings, SimSettings, WorkerConfig
+from kvgate.bench.data import read_text
+from kvgate.config import GatewaySettings, WorkerConfig
 from kvgate.gateway.app import create_app, make_client
 from kvgate.serving import start_server
 from kvgate.sim.server import SimWorker
+from kvgate.sim.settings import SimSettings
 from kvgate.tokens.tinymodel import ensure_tiny_model
 
 MODEL = "kvgate-tiny"
@@ -59,8 +63,8 @@ class Trajectory:
 
 def load_trajectories(folder: Path, max_chars: int = 6000) -> list[Trajectory]:
     out = []
-    for f in sorted(folder.glob("*.traj")):
-        h = json.loads(f.read_text())["history"]
+    for f in sorted(folder.glob("*.traj*")):
+        h = json.loads(read_text(f))["history"]
         system = next((m["content"] for m in h if m.get("role") == "system"), "")
         first_user = next((i for i, m in enumerate(h) if m.get("role") == "user"), 0)
         task = str(h[first_user]["content"])
@@ -77,7 +81,7 @@ def load_trajectories(folder: Path, max_chars: int = 6000) -> list[Trajectory]:
             else:
                 i += 1
         if steps:
-            out.append(Trajectory(f.stem, str(system)[:max_chars], task[:max_chars], steps))
+            out.append(Trajectory(f.name.split(".traj")[0], str(system)[:max_chars], task[:max_chars], steps))
     return out
 
 
@@ -128,8 +132,12 @@ class ClientResult:
     measured: int = 0
 
 
-async def run_client(client: str, trajectories: list[Trajectory], gw_url: str, http: httpx.AsyncClient
-                     ) -> ClientResult:
+async def run_client(client: str, trajectories: list[Trajectory], gw_url: str | Sequence[str],
+                     http: httpx.AsyncClient, rng: random.Random | None = None) -> ClientResult:
+    """Replay ``trajectories`` as ``client``; with several gateway URLs (replicas sharing one store), each
+    request goes to one picked at random."""
+    urls = [gw_url] if isinstance(gw_url, str) else list(gw_url)
+    rng = rng or random.Random(0)
     res = ClientResult(client, causes=Counter())
     policy = "drop" if "drop" in client else "keep"
     for n, t in enumerate(trajectories):
@@ -141,7 +149,8 @@ async def run_client(client: str, trajectories: list[Trajectory], gw_url: str, h
                     "max_tokens": 4000, "reasoning_policy": policy,
                     "sim": {"reasoning_text": step.thought, "content_text": "",
                             "tool_calls": [{"name": "bash", "arguments": {"command": step.action}}]}}
-            r = await http.post(gw_url + "/v1/chat/completions", json=body, headers={"x-conversation-id": conv})
+            r = await http.post(rng.choice(urls) + "/v1/chat/completions", json=body,
+                                headers={"x-conversation-id": conv})
             r.raise_for_status()
             j = r.json()
             msg = {k2: v for k2, v in j["choices"][0]["message"].items() if v is not None}
@@ -159,7 +168,7 @@ async def run_client(client: str, trajectories: list[Trajectory], gw_url: str, h
                 # could have been reused, up to this prompt's last token.
                 res.measured += max(0, min(prev_total, u["prompt_tokens"] - 1) - cached)
             prev_total = u["prompt_tokens"] + u["completion_tokens"]
-        rec = (await http.get(f"{gw_url}/admin/conversations/{conv}")).json()
+        rec = (await http.get(f"{rng.choice(urls)}/admin/conversations/{conv}")).json()
         for turn in rec["turns"][1:]:
             if turn["loss_cause"]:
                 res.causes[turn["loss_cause"]] += turn["lost_tokens"]  # type: ignore[index]

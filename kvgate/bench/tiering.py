@@ -13,7 +13,8 @@ from pathlib import Path
 
 from kvgate.bench.agentfleet import AgentFleet, TierConfig, TurnResult
 from kvgate.bench.agents import AgentParams, generate
-from kvgate.gateway.prefill import ContinueStats
+from kvgate.bench.report import cdf_plot
+from kvgate.session.prefill import ContinueStats
 from kvgate.sim.timing import TimingProfile, get_profile
 
 
@@ -143,26 +144,6 @@ def floors(rows: list[RowStats]) -> list[tuple[str, float, str, bool]]:
     return [(n, v, t, v <= float(t.split()[-1])) for n, v, t in out]
 
 
-def plot_cdf(path: Path, rows: list[RowStats]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for r in rows:
-        xs = sorted(r.resumed_ttfts)
-        ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=f"{r.name} (p99 {r.resumed_p99:.0f} ms)")
-    ax.set_xscale("log")
-    ax.set_xlabel("TTFT of turns resumed after a tool wait (ms, log)")
-    ax.set_ylabel("fraction")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def run(out_dir: Path, quick: bool = False, real: bool = True) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     # --quick: a third of the sessions on a third of the GPU KV, so the fleet still overflows.
@@ -177,7 +158,8 @@ def run(out_dir: Path, quick: bool = False, real: bool = True) -> int:
     fl = floors(rows)
     text += [f"| {n} | {v:.3f} | {t} | {'yes' if ok else 'NO'} |" for n, v, t, ok in fl]
     text.append(f"\nsimulated in {time.perf_counter() - t0:.0f} s; CDF plot: {out_dir / 'tiering-resumed.png'}")
-    plot_cdf(out_dir / "tiering-resumed.png", rows)
+    cdf_plot(out_dir / "tiering-resumed.png", [("", [(f"{r.name} (p99 {r.resumed_p99:.0f} ms)", r.resumed_ttfts)
+                                                      for r in rows])], "TTFT of resumed turns (ms, log)")
     ok = all(ok for *_, ok in fl) or quick  # a third of the sessions is too few to judge a p99 by
     if quick:
         text.append("--quick is a smoke run: the floors are judged on the full run.")

@@ -27,7 +27,7 @@ import httpx
 from kvgate.config import GatewaySettings, WorkerConfig
 from kvgate.dev.engines import metric_total
 from kvgate.gateway.app import create_app
-from kvgate.gateway.proxy import Usage
+from kvgate.gateway.exchange import Usage
 from kvgate.serving import start_server
 
 MODEL = "kvgate-tiny"
@@ -112,7 +112,7 @@ async def resume_after_eviction(e: Engine, rounds: int = 3, seed: int = 0) -> Re
                 out.resumed_ms.append(ms)
                 out.resumed_cached.append(_cached(r))
                 out.resumed_expected.append(int(r.headers["x-kvgate-expected-cached-tokens"]))
-                out.resumed_reasons.append(r.headers["x-kvgate-route-reason"])
+                out.resumed_reasons.append(f'{r.headers["x-kvgate-route-reason"]}/{r.headers["x-kvgate-route-tier"]}')
                 cold_ms, _ = await _complete(h, gw.url, f"cold-{base}", tokens(base + 500, 1500))
                 out.recompute_ms.append(cold_ms)
     finally:
@@ -146,9 +146,9 @@ async def prefill_next_turn(e: Engine, prefill: bool, seed: int) -> tuple[int, i
                      if k in ("role", "content") and v is not None}
             prefix = (await h.get(f"{gw.url}/admin/conversations/{conv}/next-prefix")).json()["tokens"]
             if prefill:
-                for _ in range(600):  # the prefill runs in the background; wait for it (bounded)
+                for _ in range(600):  # decided on a timer, then run in the background: wait for both (bounded)
                     stats = (await h.get(gw.url + "/admin/tiers")).json()["prefill"]
-                    if stats["completed"] + stats["failed"] >= 1 or stats["issued"] == 0:
+                    if stats["completed"] + stats["failed"] >= 1 or (stats["decisions"] and stats["issued"] == 0):
                         break
                     await _sleep(0.05)
             msgs = [*msgs, reply, {"role": "user", "content": "thanks; now explain the fix"}]
