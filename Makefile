@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test bench lint typecheck unit clean
+.PHONY: demo test bench lint typecheck unit unit-sglang clean lock
 
 $(BIN)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit("kvgate needs Python >= 3.11, found " + sys.version.split()[0]) if sys.version_info < (3, 11) else None'
@@ -27,7 +27,21 @@ typecheck: $(BIN)/.installed
 unit: $(BIN)/.installed
 	$(BIN)/pytest -q
 
-test: lint typecheck unit
+# The gateway suites again with simulated SGLang workers (their hashes, events, radix cache and server).
+unit-sglang: $(BIN)/.installed
+	KVGATE_TEST_SIM_ENGINE=sglang $(BIN)/pytest -q tests/test_gateway.py tests/test_gateway_precise.py \
+		tests/test_gateway_history.py tests/test_gateway_tiering.py
 
+test: lint typecheck unit unit-sglang
+
+# deploy/constraints.txt: the runtime's exact dependency set (the image and tests/deploy/test_wheel.py
+# install it). Regenerate after changing the dependencies in pyproject.toml.
+lock:
+	@tmp=$$(mktemp -d) && $(PYTHON) -m venv $$tmp/venv && \
+	$$tmp/venv/bin/pip install -q --only-binary=:all: . && \
+	{ grep '^#' deploy/constraints.txt; $$tmp/venv/bin/pip freeze --exclude kvgate; } > $$tmp/constraints.txt && \
+	mv $$tmp/constraints.txt deploy/constraints.txt && rm -rf $$tmp && echo "deploy/constraints.txt updated"
+
+# .venv-tools/: docker-compose and helm-sdkpy, built by the deploy tests on first use.
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-tools .mypy_cache .pytest_cache .ruff_cache

@@ -1,28 +1,37 @@
-"""The ``kvgate`` command: ``serve``, ``sim``, ``demo``, ``build-model``."""
+"""The ``kvgate`` command line: serve, sim, demo, build-model, bench, dev."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
 
 def _settings_or_exit(factory: Any, **kw: Any) -> Any:
+    import yaml
+    from pydantic_settings import SettingsError
+
+    from kvgate.config import format_settings_error, format_validation_error
+
     try:
         return factory(**{k: v for k, v in kw.items() if v is not None})
     except ValidationError as exc:
-        from kvgate.config import format_validation_error
-
         print(format_validation_error(exc), file=sys.stderr)
-        raise SystemExit(2) from None
+    except SettingsError as exc:
+        print(format_settings_error(exc, factory), file=sys.stderr)
+    except yaml.YAMLError as exc:
+        where = getattr(factory, "config_env_var", "config")
+        print(f"invalid configuration: {where}: not valid YAML: {' '.join(str(exc).split())}", file=sys.stderr)
     except FileNotFoundError as exc:
         print(f"invalid configuration: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+    raise SystemExit(2)
 
 
 def _parse_worker(spec: str) -> dict[str, str]:
@@ -39,8 +48,19 @@ async def _serve(args: argparse.Namespace) -> None:
     from kvgate.gateway.app import create_app
     from kvgate.serving import start_server
 
+    # `kvgate epp` is `serve` with the endpoint picker on (port 9002 unless configured).
+    epp_port = getattr(args, "epp_port", None)
+    if args.cmd == "epp" and epp_port is None and "KVGATE_EPP_PORT" not in os.environ:
+        epp_port = EPP_PORT
     settings = _settings_or_exit(GatewaySettings, host=args.host, port=args.port, policy=args.policy,
-                                 workers=args.worker or None)
+                                 workers=args.worker or None, grpc_port=args.grpc_port, epp_port=epp_port)
+    if not settings.workers:
+        # Warn, not refuse: a gateway started before its workers (or, with discovery, before any joins) is
+        # a normal state for an orchestrator; it answers /health, and /ready says 503 until one is healthy.
+        logging.getLogger("kvgate").warning(
+            "no workers configured: every completion will get 503 no_healthy_worker until one is named "
+            "(--worker URL=MODEL[@ENGINE], KVGATE_WORKERS='[{\"url\": ..., \"model\": ...}]' or workers: in "
+            "the KVGATE_CONFIG file)")
     app = create_app(settings)
     gw = app.state.gateway
 
@@ -50,100 +70,273 @@ async def _serve(args: argparse.Namespace) -> None:
     handle = await start_server(app, settings.host, settings.port, graceful_timeout_s=settings.drain_timeout_s,
                                 on_drain=drain, install_signal_handlers=True)
     logging.getLogger("kvgate").info("gateway on %s with %d workers", handle.url, len(settings.workers))
+    grpc = app.state.grpc
+    if grpc.epp_port is not None:
+        logging.getLogger("kvgate").info("endpoint picker (Envoy ext_proc) on port %d", grpc.epp_port)
+    if grpc.control_port is not None:
+        logging.getLogger("kvgate").info("gRPC control API on port %d", grpc.control_port)
     await handle.task
 
 
 async def _sim(args: argparse.Namespace) -> None:
-    from kvgate.config import SimSettings
     from kvgate.serving import start_server
     from kvgate.sim.server import SimWorker
+    from kvgate.sim.settings import SimSettings
 
     settings = _settings_or_exit(SimSettings, host=args.host, port=args.port, model=args.model,
                                  profile=args.profile, speed=args.speed, num_blocks=args.num_blocks,
                                  block_size=args.block_size, kv_events_endpoint=args.kv_events,
                                  kv_replay_endpoint=args.kv_replay, model_dir=args.model_dir,
-                                 hash_algo=args.hash_algo)
+                                 hash_algo=args.hash_algo, engine=args.engine,
+                                 priority_scheduling=args.priority_scheduling or None)
     worker = SimWorker(settings)
     handle = await start_server(worker.build_app(), settings.host, settings.port, install_signal_handlers=True)
     logging.getLogger("kvgate").info("simulated worker %s on %s", settings.model, handle.url)
     await handle.task
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="kvgate", description=__doc__)
-    ap.add_argument("--log-level", default="INFO")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+DESCRIPTION = """\
+kvgate: a session-aware gateway for LLM agents in front of vLLM / SGLang workers.
 
-    s = sub.add_parser("serve", help="run the gateway (config: KVGATE_* env vars, KVGATE_CONFIG yaml)")
-    s.add_argument("--host")
-    s.add_argument("--port", type=int)
-    s.add_argument("--policy")
-    s.add_argument("--worker", action="append", type=_parse_worker, help="URL=MODEL[@ENGINE], repeatable")
+It maps each conversation to its KV blocks, routes every request to the worker where its prefix is
+cached (KV events over ZMQ, a TTFT cost model), keeps the history byte-stable per model protocol and
+tiers KV (GPU, CPU, Redis via LMCache) while tools run. OpenAI-compatible: point any client at it."""
 
-    m = sub.add_parser("sim", help="run one simulated vLLM worker (KVGATE_SIM_* env vars)")
-    m.add_argument("--host")
-    m.add_argument("--port", type=int)
-    m.add_argument("--model")
-    m.add_argument("--model-dir")
-    m.add_argument("--profile")
-    m.add_argument("--speed", type=float)
-    m.add_argument("--num-blocks", type=int)
-    m.add_argument("--block-size", type=int)
-    m.add_argument("--hash-algo")
-    m.add_argument("--kv-events", help="ZMQ PUB endpoint, e.g. tcp://*:5557")
-    m.add_argument("--kv-replay", help="ZMQ ROUTER replay endpoint, e.g. tcp://*:5558")
+EPILOG = """\
+configuration: `kvgate serve` reads KVGATE_* environment variables and the YAML file KVGATE_CONFIG
+names (precedence: command line > environment > YAML > defaults); `kvgate sim` reads KVGATE_SIM_* and
+KVGATE_SIM_CONFIG. Bad values stop start-up with one line per field and exit code 2.
 
-    d = sub.add_parser("demo", help="simulated workers + gateway + a scripted agent session")
-    d.add_argument("--workers", type=int, default=3)
-    d.add_argument("--profile", default="h100-llama3-8b")
+examples:
+  kvgate sim --port 8101 &
+  kvgate serve --worker http://127.0.0.1:8101=kvgate-tiny@sim
+  kvgate demo
+more: README.md (Configuration, API, Deploy) and `kvgate <command> --help`."""
+
+
+def _default(model: Any, name: str) -> str:
+    """The settings model's default for ``name`` and the variable that overrides it, for help texts."""
+    field = model.model_fields[name]
+    value = field.get_default(call_default_factory=True)
+    prefix = str(model.model_config.get("env_prefix", ""))
+    shown = "none" if value is None or value == [] else value
+    return f"default: {shown}; env {prefix.upper()}{name.upper()}"
+
+
+EPP_PORT = 9002
+"""The endpoint picker's port when nothing sets it (the Gateway API Inference Extension's convention)."""
+
+
+def _serve_parser(sub: Any, name: str = "serve") -> None:
+    from typing import get_args
+
+    from kvgate.config import EngineKind, GatewaySettings, PolicyName
+
+    g = GatewaySettings
+    if name == "epp":
+        s = sub.add_parser("epp", help="run the gateway as an Envoy endpoint picker (Gateway API Inference Extension)",
+                           formatter_class=argparse.RawDescriptionHelpFormatter,
+                           description="Run the gateway as the endpoint picker of an inference gateway: Envoy's "
+                           "ext_proc v3 on\nEPP_PORT (default 9002) picks each request's worker; the HTTP port "
+                           "keeps /health, /ready,\n/metrics, /admin/* (and the OpenAI API). docs/epp.md.")
+        s.add_argument("--epp-port", type=int, metavar="PORT", help="ext_proc port (default: 9002; env "
+                       "KVGATE_EPP_PORT)")
+    else:
+        s = sub.add_parser("serve", help="run the gateway", formatter_class=argparse.RawDescriptionHelpFormatter,
+                           description="Run the gateway: one process, OpenAI-compatible API on HOST:PORT, /health, "
+                           "/ready, /metrics\nand /admin/*. Other settings (Redis sessions, tiering, cost model, "
+                           "...): KVGATE_* or KVGATE_CONFIG, see README.")
+    s.add_argument("--grpc-port", type=int, metavar="PORT", help="serve the gRPC control API on this port "
+                   f"({_default(g, 'grpc_port')}; docs/grpc.md)")
+    s.add_argument("--host", metavar="HOST", help=f"listen address ({_default(g, 'host')})")
+    s.add_argument("--port", type=int, metavar="PORT", help=f"listen port, 0 picks a free one ({_default(g, 'port')})")
+    s.add_argument("--policy", choices=get_args(PolicyName), help=f"routing policy ({_default(g, 'policy')})")
+    s.add_argument("--worker", action="append", type=_parse_worker, metavar="URL=MODEL[@ENGINE]",
+                   help="a worker, repeatable, e.g. http://10.0.0.5:8000=Qwen/Qwen3-8B@vllm; ENGINE is one of "
+                   f"{', '.join(get_args(EngineKind))} (default vllm); block size 16, sha256 hashes, no KV events (for "
+                   "those, workers: entries in KVGATE_CONFIG); given here, replaces KVGATE_WORKERS and the YAML list")
+
+
+def _sim_parser(sub: Any) -> None:
+    from kvgate.sim.settings import SimSettings
+    from kvgate.sim.timing import PROFILES
+
+    m = SimSettings
+    p = sub.add_parser("sim", help="run one simulated vLLM or SGLang worker",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Run one simulated vLLM or SGLang worker: the engine's API, block hashes, KV "
+                       "events and\ncached-token accounting, with timing from a profile. Settings: these options, "
+                       "KVGATE_SIM_* or KVGATE_SIM_CONFIG.")
+    p.add_argument("--engine", choices=["vllm", "sglang"], help="whose wire formats and prefix cache to imitate "
+                   f"({_default(m, 'engine')})")
+    p.add_argument("--priority-scheduling", action="store_true", help="honour request priorities, as vLLM's "
+                   "--scheduling-policy priority or SGLang's --enable-priority-scheduling "
+                   f"({_default(m, 'priority_scheduling')})")
+    p.add_argument("--host", help=f"listen address ({_default(m, 'host')})")
+    p.add_argument("--port", type=int, help=f"listen port, 0 picks a free one ({_default(m, 'port')})")
+    p.add_argument("--model", help=f"served model name ({_default(m, 'model')})")
+    p.add_argument("--model-dir", metavar="DIR", help="tokenizer + chat template directory (default: the tiny "
+                   "model, built on first use; env KVGATE_SIM_MODEL_DIR)")
+    p.add_argument("--profile", choices=sorted(PROFILES), help=f"timing profile ({_default(m, 'profile')})")
+    p.add_argument("--speed", type=float, help=f"run the timing model this many times faster ({_default(m, 'speed')})")
+    p.add_argument("--num-blocks", type=int, metavar="N", help="KV blocks (default: the profile's; env "
+                   "KVGATE_SIM_NUM_BLOCKS)")
+    p.add_argument("--block-size", type=int, metavar="TOKENS", help="tokens per KV block (default: the profile's, "
+                   "cpu-tiny 128; env KVGATE_SIM_BLOCK_SIZE)")
+    p.add_argument("--hash-algo", choices=["sha256", "sha256_cbor"], help=f"block hash, as vLLM's "
+                   f"--prefix-caching-hash-algo ({_default(m, 'hash_algo')})")
+    p.add_argument("--kv-events", metavar="ENDPOINT", help="publish KV events on this ZMQ PUB endpoint, e.g. "
+                   "tcp://*:5557 (default: none; env KVGATE_SIM_KV_EVENTS_ENDPOINT)")
+    p.add_argument("--kv-replay", metavar="ENDPOINT", help="serve event replay on this ZMQ ROUTER endpoint, e.g. "
+                   "tcp://*:5558 (default: none; env KVGATE_SIM_KV_REPLAY_ENDPOINT)")
+
+
+def _tune(args: argparse.Namespace) -> None:
+    from kvgate.tune.log import LogError
+    from kvgate.tune.report import parse_grid, tune
+
+    try:
+        text, _ = tune(args.log, profile=args.profile, speed=args.speed, hidden_tokens=args.hidden_tokens,
+                       model=args.model, candidates=args.candidate,
+                       grid=parse_grid(args.grid) or None, sweep=args.sweep, objective=args.objective)
+    except (LogError, ValueError, OSError) as exc:
+        print(f"kvgate tune: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(text)
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kvgate", description=DESCRIPTION, epilog=EPILOG,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--log-level", default="INFO", type=str.upper,
+                    choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level (default: INFO)")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND", title="commands")
+    _serve_parser(sub)
+    _serve_parser(sub, "epp")
+    _sim_parser(sub)
+    from kvgate.grpc.ctl import add_parser as ctl_parser
+
+    ctl_parser(sub)
+
+    d = sub.add_parser("demo", help="3 simulated workers + the gateway + a scripted agent session (no GPU)")
+    d.add_argument("--workers", type=int, default=3, help="simulated workers (default: 3)")
+    d.add_argument("--profile", default="h100-llama3-8b", help="their timing profile (default: h100-llama3-8b)")
+    d.add_argument("--agents", type=int, default=3, help="agents at once (default: 3)")
+    d.add_argument("--tool-s", type=float, default=0.0, metavar="S", help="how long the agents' tools run: each "
+                   "tool step waits up to twice this (default: 0)")
+    d.add_argument("--request-log", metavar="PATH", help="the gateway writes its request log there, for "
+                   "`kvgate tune PATH`")
 
     b = sub.add_parser("build-model", help="build the tiny test model (tokenizer, template[, weights])")
-    b.add_argument("out", nargs="?")
-    b.add_argument("--weights", action="store_true")
+    b.add_argument("out", nargs="?", help="output directory (default: ~/.cache/kvgate/tiny-model-v1)")
+    b.add_argument("--weights", action="store_true", help="also random weights (needs torch)")
 
-    bn = sub.add_parser("bench", help="benchmarks: `kvgate bench mooncake [--quick]`, `kvgate bench swe`, "
-                        "`kvgate bench tiering [--quick] [--no-real]`")
-    bn.add_argument("which", choices=["mooncake", "swe", "tiering"])
-    bn.add_argument("--trace", help="Mooncake trace (default: ../shared/data/mooncake/conversation_trace.jsonl)")
-    bn.add_argument("--out", default="bench-out")
-    bn.add_argument("--quick", action="store_true", help="first 3000 requests only")
+    bn = sub.add_parser("bench", help="benchmarks from a source checkout: mooncake, swe, tiering, stores, overhead, "
+                        "tracing, epp")
+    bn.add_argument("which", choices=["mooncake", "swe", "tiering", "stores", "overhead", "tracing", "epp"])
+    bn.add_argument("--trace", help="Mooncake-format trace, .jsonl or .jsonl.gz "
+                    "(default: data/mooncake/conversation_trace.jsonl.gz)")
+    bn.add_argument("--out", default="bench-out", help="output directory (default: bench-out)")
+    bn.add_argument("--quick", action="store_true", help="a smoke run (mooncake: first 3000 requests)")
     bn.add_argument("--no-dynamo", action="store_true", help="skip Dynamo's replay")
     bn.add_argument("--no-peers", action="store_true", help="skip the real-process peer routers")
     bn.add_argument("--no-real", action="store_true", help="tiering: skip the real vLLM + LMCache + Redis part")
+    bn.add_argument("--choose", action="store_true", help="mooncake: the cost-model weight sweep on the first half "
+                    "of the conversation trace (the only traffic weights are chosen on)")
 
-    dv = sub.add_parser("dev", help="developer tools: `kvgate dev engines up|down|status|install`")
+    t = sub.add_parser("tune", help="replay a request log with candidate settings, in virtual time",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Replay a gateway's request log (KVGATE_REQUEST_LOG) through kvgate's router and "
+                       "session controller\non simulated workers in virtual time, with the current settings (from "
+                       "the log) and with\neach candidate; print reuse, TTFT, recomputed tokens, prefill waste and "
+                       "KV parked\nper candidate, the replay's fidelity, and the PATCH /admin/policy that applies "
+                       "the best.")
+    t.add_argument("log", nargs="+", type=Path, help="request log file(s): the log and its rotated backups")
+    t.add_argument("--profile", default="h100-llama3-8b", help="the workers' timing profile (default: "
+                   "h100-llama3-8b; kvgate sim --help lists them)")
+    t.add_argument("--speed", type=float, default=1.0, help="the workers ran the profile this many times faster "
+                   "(simulated workers started with --speed; default: 1)")
+    t.add_argument("--hidden-tokens", type=int, default=0, metavar="N", help="output tokens the workers' reasoning "
+                   "parser hides before the first visible output (Qwen3's <think> and newline: 2; default 0), so "
+                   "the replay's TTFT is the gateway's")
+    t.add_argument("--model", help="the model whose traffic to replay (default: the busiest)")
+    t.add_argument("--candidate", action="append", default=[], metavar="SECTION.FIELD=VALUE[,...]",
+                   help="a candidate, repeatable, e.g. waits.reserve_max_s=2,cost.backlog_weight=0.5 (sections: "
+                   "cost, waits, prefill; and cpu_tier_ttl_s)")
+    t.add_argument("--sweep", action="store_true", help="also search a small grid (reservation threshold x home "
+                   "charge [x prefill continuation threshold])")
+    t.add_argument("--grid", action="append", default=[], metavar="SECTION.FIELD=V1,V2,...",
+                   help="search this grid instead (repeatable: the product of all)")
+    t.add_argument("--objective", default="ttft_mean", choices=["ttft_mean", "ttft_p50", "ttft_p99", "reuse",
+                                                                "recomputed"], help="what best means")
+
+    dv = sub.add_parser("dev", help="developer tools from a source checkout: `kvgate dev engines "
+                        "up|down|status|install`")
     dv.add_argument("tool", choices=["engines"])
     dv.add_argument("rest", nargs=argparse.REMAINDER)
+    return ap
 
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = _build_parser()
     args = ap.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "httpcore", "matplotlib"):
         logging.getLogger(noisy).setLevel(logging.WARNING)  # one line per request drowns everything else
-    if args.cmd == "serve":
-        asyncio.run(_serve(args))
-    elif args.cmd == "sim":
-        asyncio.run(_sim(args))
+    if args.cmd == "ctl":
+        from kvgate.grpc.ctl import run as ctl_run
+
+        raise SystemExit(ctl_run(args))
+    if args.cmd in ("serve", "epp", "sim"):
+        try:
+            asyncio.run(_sim(args) if args.cmd == "sim" else _serve(args))
+        except KeyboardInterrupt:
+            # Ctrl-C: the server has drained and stopped; uvicorn passes the signal on once it is done, and a
+            # traceback would only hide that this is a clean stop (uvicorn.run swallows it likewise).
+            raise SystemExit(130) from None
     elif args.cmd == "demo":
         from kvgate.demo import run_demo
 
         logging.getLogger().setLevel(logging.WARNING)
-        asyncio.run(run_demo(args.workers, args.profile))
+        asyncio.run(run_demo(args.workers, args.profile, agents=args.agents, request_log=args.request_log,
+                             tool_s=args.tool_s))
     elif args.cmd == "bench":
-        from pathlib import Path
-
         from kvgate.bench import mooncake
+        from kvgate.bench.data import SWE_TRAJECTORIES
 
-        if args.which == "swe":
+        if args.which == "overhead":
+            from kvgate.bench import overhead
+
+            overhead.run(Path(args.out), args.quick)
+        elif args.which == "tracing":
+            from kvgate.bench import tracing
+
+            print(asyncio.run(tracing.run(rounds=2 if args.quick else 5)))
+        elif args.which == "stores":
+            from kvgate.bench import stores
+
+            stores.run()
+        elif args.which == "epp":
+            from kvgate.bench import epp
+
+            epp.run(quick=args.quick, out=Path(args.out))
+        elif args.which == "swe":
             from kvgate.bench import swe
 
-            swe.run(mooncake.DEFAULT_TRACE.parents[1] / "swe-agent-trajectories", Path(args.out))
+            swe.run(SWE_TRAJECTORIES, Path(args.out))
         elif args.which == "tiering":
             from kvgate.bench import tiering
 
             raise SystemExit(tiering.run(Path(args.out), args.quick, real=not args.no_real))
+        elif args.choose:
+            from kvgate.bench import choose
+
+            print(choose.run(Path(args.trace) if args.trace else mooncake.DEFAULT_TRACE))
         else:
             mooncake.run(Path(args.trace) if args.trace else mooncake.DEFAULT_TRACE, Path(args.out), args.quick,
                          not args.no_dynamo, not args.no_peers)
+    elif args.cmd == "tune":
+        _tune(args)
     elif args.cmd == "dev":
         from kvgate.dev.engines import cli as engines_cli
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 from urllib.parse import urlparse
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
@@ -19,27 +19,34 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from kvgate.gateway.prefill import PrefillParams
+from kvgate.gateway.auth import AuthSettings
+from kvgate.gateway.inputlimits import HostileSettings
 from kvgate.router.cost import CostParams
-from kvgate.router.waits import WaitParams
+from kvgate.session.prefill import PrefillParams
+from kvgate.session.waits import WaitParams
 
 EngineKind = Literal["vllm", "sglang", "sim"]
 PolicyName = Literal["round_robin", "least_loaded", "session_affinity", "cost_model"]
 
 
-class WorkerConfig(BaseModel):
-    url: str
-    model: str = Field(min_length=1)
+class WorkerTemplate(BaseModel):
+    """What kvgate is told of a worker beyond its address: a static worker's settings, or those discovery
+    gives every worker it finds."""
+
+    model: str | None = Field(None, min_length=1)
     engine: EngineKind = "vllm"
-    id: str = ""
-    """Stable name used in metrics and decisions; defaults to host:port."""
     block_size: int = Field(16, gt=0)
     """The engine's KV block size (vLLM: 16 on GPU, 128 on CPU)."""
     hash_algo: Literal["sha256", "sha256_cbor"] = "sha256"
-    """The engine's ``--prefix-caching-hash-algo``."""
+    """The engine's ``--prefix-caching-hash-algo``. Block size and algorithm are learned from the worker's
+    ``vllm:cache_config_info`` when it publishes them; a configured value that disagrees is logged and
+    counted (``kvgate_worker_config_mismatches_total``) and the worker's value is used."""
+    hash_seed: str | None = None
+    """The worker's ``PYTHONHASHSEED``; None: the gateway-wide ``hash_seed``. vLLM does not publish it."""
     kv_events: str | None = None
     """ZMQ endpoint of the worker's KV events (tcp://host:port); ``auto`` asks its /kv_event_sources;
-    none: kvgate routes on what it sent there (approximate mode)."""
+    none: kvgate routes on what it sent there (approximate mode). In a discovery template ``{host}``
+    stands for the address found."""
     kv_replay: str | None = None
     node: str = ""
     """Workers on one node share its LMCache L1 (CPU tier); "" is a node of its own."""
@@ -49,6 +56,13 @@ class WorkerConfig(BaseModel):
     """The ``--model`` path the worker was started with: LMCache names its keys after it."""
     kv_capacity_tokens: int = Field(0, ge=0)
     """GPU KV capacity in tokens, to price reservations (0: from vllm:cache_config_info, else unpriced)."""
+
+
+class WorkerConfig(WorkerTemplate):
+    url: str
+    model: str = Field(min_length=1)
+    id: str = ""
+    """Stable name used in metrics and decisions; defaults to host:port."""
 
     @field_validator("url")
     @classmethod
@@ -66,7 +80,50 @@ class WorkerConfig(BaseModel):
         return self
 
 
-class _YamlSettings(BaseSettings):
+class DnsDiscovery(BaseModel):
+    """Workers behind a DNS name, re-resolved every ``interval_s`` (a Kubernetes headless Service)."""
+
+    kind: Literal["dns"] = "dns"
+    name: str = Field(min_length=1)
+    """``vllm.ns.svc.cluster.local`` for its A/AAAA records, ``_http._tcp.vllm.ns.svc.cluster.local`` for SRV."""
+    record: Literal["A", "SRV"] = "A"
+    """A: A and AAAA records of ``name``, each on ``port``; SRV: targets and ports from the SRV records."""
+    port: int = Field(8000, gt=0, le=65535)
+    interval_s: float = Field(10.0, gt=0)
+    nameservers: list[str] = Field(default_factory=list)
+    """``ip`` or ``ip:port``; empty: the system's resolver configuration."""
+    timeout_s: float = Field(2.0, gt=0)
+    worker: WorkerTemplate
+    """Settings of every worker found (``model`` is required)."""
+
+    @model_validator(mode="after")
+    def _model(self) -> DnsDiscovery:
+        if not self.worker.model:
+            raise ValueError("discovery.worker.model is required for DNS discovery")
+        return self
+
+
+class KubernetesDiscovery(BaseModel):
+    """Workers from the Kubernetes API: EndpointSlices (or Pods) by label selector, watched, relisted every
+    ``resync_s``. Readiness comes from the API; ports by name; pod annotations ``kvgate.io/model``,
+    ``kvgate.io/engine``, ``kvgate.io/kv-events``, ``kvgate.io/kv-replay`` override the template (Pods)."""
+
+    kind: Literal["kubernetes"] = "kubernetes"
+    resource: Literal["endpointslices", "pods"] = "endpointslices"
+    namespace: str = "default"
+    label_selector: str = Field(min_length=1)
+    """EndpointSlices: e.g. ``kubernetes.io/service-name=vllm``; Pods: e.g. ``app=vllm``."""
+    port_name: str = "http"
+    kv_events_port_name: str | None = "kv-events"
+    kv_replay_port_name: str | None = "kv-replay"
+    resync_s: float = Field(300.0, gt=0)
+    worker: WorkerTemplate = Field(default_factory=WorkerTemplate)
+
+
+Discovery = Annotated[DnsDiscovery | KubernetesDiscovery, Field(discriminator="kind")]
+
+
+class YamlSettings(BaseSettings):
     """Adds the YAML file named by an env var (``KVGATE_CONFIG``, ``KVGATE_SIM_CONFIG``) as a source."""
 
     config_env_var: ClassVar[str] = "KVGATE_CONFIG"
@@ -89,30 +146,68 @@ class _YamlSettings(BaseSettings):
         return tuple(sources)
 
 
-class GatewaySettings(_YamlSettings):
+class GatewaySettings(YamlSettings):
     model_config = SettingsConfigDict(env_prefix="KVGATE_", extra="forbid")
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     workers: list[WorkerConfig] = Field(default_factory=list)
+    """The static list of workers; with ``discovery`` set, workers it finds join these."""
+    discovery: Discovery | None = None
+    """Where to find workers besides the static list: ``{kind: dns, ...}`` or ``{kind: kubernetes, ...}``."""
     policy: PolicyName = "cost_model"
     affinity_epsilon: float = Field(0.25, ge=0.0, le=10.0)
     """Bounded load: a worker above (1+epsilon)·mean load takes no more sessions."""
     conversation_headers: list[str] = Field(default_factory=lambda: ["x-conversation-id", "x-session-id"])
     tenant_header: str = "x-tenant-id"
+    """Auth off only: with auth on, the tenant is the credential's and this header is ignored."""
+    auth: AuthSettings = Field(default_factory=AuthSettings)
+    """Authentication, roles and tenant isolation (kvgate/gateway/auth.py, docs/security.md)."""
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    hostile: HostileSettings = Field(default_factory=HostileSettings)
+    """Limits on hostile or oversized input: JSON depth and numbers, prompt tokens (docs/hostile-input.md)."""
+    engine_token_ids: bool = True
+    """Ask vLLM workers for the prompt and output token ids of chat responses (``return_token_ids``) so
+    the loss explanation compares what the engine really cached; kept out of the client's response unless
+    it asked. Sent only when every worker of the model is a vLLM one."""
     max_attempts: int = Field(2, ge=1, le=10)
     """Workers tried for one request when they fail before the first byte."""
     health_interval_s: float = Field(5.0, gt=0)
+    """Active checks (``/health`` and ``/metrics``) every this long; an ejected worker is probed as often."""
     health_timeout_s: float = Field(2.0, gt=0)
+    eject_after_failures: int = Field(3, ge=1)
+    """Consecutive failures (slow or failed checks, requests that timed out, 502/503/504, broken streams)
+    that take a worker out; a refused connection does at once, and so does any failure on probation
+    (the first requests after an ejected worker's probe succeeded)."""
     upstream_connect_timeout_s: float = Field(3.0, gt=0)
     upstream_read_timeout_s: float = Field(600.0, gt=0)
+    upstream_client: Literal["aiohttp", "httpx"] = "aiohttp"
+    """The HTTP client that carries proxied requests to the workers (kvgate/gateway/upstream.py: aiohttp
+    costs a third of httpx's CPU per streamed request; httpx is kept to compare)."""
     retry_after_s: int = Field(1, ge=0)
     drain_timeout_s: float = Field(30.0, ge=0)
     session_ttl_s: float = Field(3600.0, gt=0)
     max_sessions: int = Field(100_000, ge=1)
+    """Memory store: conversations kept (least recently used first out)."""
+    max_store_bytes: int = Field(1 << 30, ge=1 << 20)
+    """Memory store: bytes of conversation records kept, all conversations together."""
+    max_conversation_bytes: int = Field(4 << 20, ge=1 << 14)
+    """One conversation's record: over it, its chain, then its oldest exact replies, then its history go."""
     session_store: Literal["memory", "redis"] = "memory"
     redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_cluster: bool = False
+    """``redis_url`` names a Redis Cluster node: each conversation's keys share one hash slot."""
+    redis_prefix: str = Field("kvgate:", min_length=1)
+    timer_tick_s: float = Field(0.1, gt=0, le=10)
+    """How often a replica claims due timers and reads the fleet's new observations."""
+    timer_lease_s: float = Field(60.0, gt=0)
+    """A claimed timer (and the background prefill it runs) is this replica's for this long; if the
+    replica dies, another one runs it after the lease."""
+    template_sandbox: bool = False
+    """Render chat templates in Jinja's sandbox (as transformers and vLLM do for templates from a hub).
+    The templates kvgate renders come from the model directories configured in ``tokenizers``, as trusted
+    as this configuration; requests only ever reach them as data. Rendering without the sandbox takes half
+    the time (on a 32k-token history 0.40 ms against 0.74 ms): turn it on for templates from elsewhere."""
     tokenizers: dict[str, str] = Field(default_factory=dict)
     """Model name -> local tokenizer directory (tokenizer.json + tokenizer_config.json). Models without
     one are tokenized by a worker's /tokenize."""
@@ -120,6 +215,14 @@ class GatewaySettings(_YamlSettings):
     """The workers' PYTHONHASHSEED (vLLM derives its root block hash from it)."""
     approx_ttl_s: float = Field(120.0, gt=0)
     """Approximate mode: how long a routed prompt is assumed to stay cached on its worker."""
+    inflight_ttl_s: float = Field(30.0, gt=0)
+    """Workers with KV events: a prompt dispatched there counts as cached there until its blocks arrive by
+    events, nothing kvgate sent there is in flight, or this long has passed."""
+    kv_events_warm_start: bool = True
+    """Replay each worker's KV event buffer when kvgate subscribes, so a gateway that starts knows the
+    workers' caches before its first request (off: only from each worker's next event on)."""
+    kv_events_sync_timeout_s: float = Field(5.0, ge=0)
+    """How long start-up waits for those first replays before serving anyway."""
     cost: CostParams = Field(default_factory=CostParams)
     """Cost-model parameters; tunable at run time through PATCH /admin/policy."""
     protocols: dict[str, str] = Field(default_factory=dict)
@@ -142,9 +245,29 @@ class GatewaySettings(_YamlSettings):
     prefill: PrefillParams = Field(default_factory=lambda: PrefillParams(enabled=False))
     """Background prefill of the canonical branch (off unless enabled)."""
     prefill_priority: int | None = None
-    """vLLM request priority for background prefills (needs --scheduling-policy priority); None sends none."""
-    max_tracked_conversations: int = Field(10_000, ge=0)
-    """Conversations whose prompt tokens and block hashes are kept for incremental hashing."""
+    """Request priority for background prefills, in vLLM's sense (lower first; needs --scheduling-policy priority);
+    SGLang workers (higher first) get it negated. None sends none."""
+    request_log: str | None = None
+    """Write a content-free log of every request to this file, for ``kvgate tune`` (docs/operations.md)."""
+    request_log_max_bytes: int = Field(64 << 20, ge=1 << 16)
+    """Rotate the request log at this size."""
+    request_log_backups: int = Field(3, ge=0, le=100)
+    """Rotated request logs kept (``PATH.1`` is the newest)."""
+    request_log_key: str | None = Field(None, pattern=r"^[0-9a-fA-F]{32,128}$")
+    """Hex key the logged block hashes are keyed with; give every replica the same one for logs that
+    replay together (default: random per process)."""
+    grpc_port: int | None = Field(None, ge=0, le=65535)
+    """kvgate's gRPC control API (``kvgate.v1``: Routing, Conversations, Policy, Fleet, with health and
+    reflection) on ``host``:this port; None: off. 0 picks a free port (docs/grpc.md)."""
+    epp_port: int | None = Field(None, ge=0, le=65535)
+    """The Envoy ext_proc endpoint picker (Gateway API Inference Extension) on ``host``:this port; None:
+    off (``kvgate epp`` defaults it to 9002; docs/epp.md)."""
+    epp_body_mode: Literal["full_duplex_streamed", "buffered"] = "full_duplex_streamed"
+    """How Envoy sends request bodies when its ext_proc filter does not say so itself (``protocol_config``):
+    inference gateways configure FULL_DUPLEX_STREAMED; BUFFERED must match the filter's own setting."""
+    epp_fallbacks: int = Field(1, ge=0, le=8)
+    """Endpoints named after the picked one in ``x-gateway-destination-endpoint``, next best first, for
+    Envoy's retries of a request the picked worker never had."""
 
     @field_validator("conversation_headers")
     @classmethod
@@ -156,21 +279,21 @@ class GatewaySettings(_YamlSettings):
     @field_validator("reasoning_policy")
     @classmethod
     def _policy(cls, v: str) -> str:
-        from kvgate.gateway.protocols import ReasoningPolicy
+        from kvgate.history.protocols import ReasoningPolicy
 
         return str(ReasoningPolicy.parse(v))
 
     @field_validator("tenant_reasoning_policies")
     @classmethod
     def _tenant_policies(cls, v: dict[str, str]) -> dict[str, str]:
-        from kvgate.gateway.protocols import ReasoningPolicy
+        from kvgate.history.protocols import ReasoningPolicy
 
         return {t: str(ReasoningPolicy.parse(p)) for t, p in v.items()}
 
     @field_validator("protocols")
     @classmethod
     def _protocols(cls, v: dict[str, str]) -> dict[str, str]:
-        from kvgate.gateway.protocols import get_protocol
+        from kvgate.history.protocols import get_protocol
 
         for p in v.values():
             get_protocol(p)
@@ -185,36 +308,23 @@ class GatewaySettings(_YamlSettings):
         return self
 
 
-class SimSettings(_YamlSettings):
-    model_config = SettingsConfigDict(env_prefix="KVGATE_SIM_", extra="forbid")
-    config_env_var: ClassVar[str] = "KVGATE_SIM_CONFIG"
+def format_settings_error(exc: Exception, settings_cls: type[BaseSettings]) -> str:
+    """One line for a value pydantic-settings could not even parse (``KVGATE_WORKERS='[{bad'``), naming
+    the variable and the parser's complaint, instead of its traceback."""
+    import re
 
-    host: str = "127.0.0.1"
-    port: int = Field(8100, ge=0, le=65535)
-    model: str = "kvgate-tiny"
-    model_dir: str | None = None
-    """Tokenizer and template directory; default: the tiny model, built on first use."""
-    profile: str = "cpu-tiny"
-    block_size: int | None = Field(None, gt=0)
-    num_blocks: int | None = Field(None, gt=0)
-    max_num_seqs: int | None = Field(None, gt=0)
-    max_model_len: int = Field(4096, gt=0)
-    hash_algo: Literal["sha256", "sha256_cbor"] = "sha256"
-    hash_seed: str | None = Field(default_factory=lambda: os.environ.get("PYTHONHASHSEED"))
-    speed: float = Field(1.0, gt=0)
-    """Timing model speed-up: 10 runs every step ten times faster than the profile says."""
-    kv_events_endpoint: str | None = None
-    kv_replay_endpoint: str | None = None
-    kv_events_topic: str = ""
-
-    @field_validator("profile")
-    @classmethod
-    def _known_profile(cls, v: str) -> str:
-        from kvgate.sim.timing import PROFILES
-
-        if v not in PROFILES:
-            raise ValueError(f"unknown profile {v!r}; expected one of {sorted(PROFILES)}")
-        return v
+    msg = str(exc)
+    m = re.search(r'field "(\w+)" from source "(\w+)"', msg)
+    cause = exc.__cause__ or exc.__context__
+    why = f": {cause}" if cause is not None else ""
+    if m is None:
+        return f"invalid configuration: {msg}{why}"
+    field, source = m.groups()
+    if source.startswith("Env"):
+        prefix = str(settings_cls.model_config.get("env_prefix", ""))
+        where = f"{prefix}{field}".upper()
+        return f"invalid configuration: {where} is not valid JSON{why}"
+    return f"invalid configuration: {field} (from {source}){why}"
 
 
 def format_validation_error(exc: ValidationError) -> str:

@@ -8,18 +8,22 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
-from kvgate.config import GatewaySettings, SimSettings, WorkerConfig
-from kvgate.dev.engines import free_port
+from kvgate.config import GatewaySettings, WorkerConfig
 from kvgate.gateway.app import create_app, make_client
-from kvgate.serving import ServerHandle, start_server
+from kvgate.serving import ServerHandle, free_port, start_server
 from kvgate.sim.server import SimWorker
+from kvgate.sim.settings import SimSettings
 from kvgate.tokens.tinymodel import ensure_tiny_model
+
+T = TypeVar("T")
 
 SYSTEM = ("You are a coding agent. Think step by step, call tools to inspect the repository, and answer "
           "briefly. " * 8).strip()
@@ -87,7 +91,11 @@ async def chat_turn(client: httpx.AsyncClient, url: str, conv: str, messages: li
     return msg, usage, finish, ttft, headers
 
 
-async def run_session(client: httpx.AsyncClient, url: str, conv: str, start: int = 1) -> list[TurnResult]:
+async def run_session(client: httpx.AsyncClient, url: str, conv: str, start: int = 1, tool_s: float = 0.0
+                      ) -> list[TurnResult]:
+    """One agent: three user turns, each up to four steps; ``tool_s``: how long its tools run (a step's
+    wait is drawn up to twice that, from the conversation's name, so a run is repeatable)."""
+    rng = random.Random(conv)
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
     out: list[TurnResult] = []
     n = start
@@ -108,8 +116,16 @@ async def run_session(client: httpx.AsyncClient, url: str, conv: str, start: int
             for tc in msg["tool_calls"]:
                 messages.append({"role": "tool", "tool_call_id": tc["id"],
                                  "content": f"output of {tc['function']['name']}: " + "line of output " * 40})
+            if tool_s > 0:
+                await asyncio.sleep(rng.uniform(0.0, 2 * tool_s))
             kind = "tool result"
     return out
+
+
+async def _later(delay_s: float, aw: Awaitable[T]) -> T:
+    if delay_s > 0:
+        await asyncio.sleep(delay_s)
+    return await aw
 
 
 def print_table(rows: list[TurnResult]) -> None:
@@ -122,7 +138,11 @@ def print_table(rows: list[TurnResult]) -> None:
               f"{r.expected_cached:>8} {r.cached_tokens:>7} {r.ttft_ms:>8.1f}  {r.finish}")
 
 
-async def run_demo(n_workers: int = 3, profile: str = "h100-llama3-8b", speed: float = 1.0) -> list[TurnResult]:
+async def run_demo(n_workers: int = 3, profile: str = "h100-llama3-8b", speed: float = 1.0, *,
+                   agents: int = 3, request_log: str | None = None, tool_s: float = 0.0,
+                   stagger_s: float = 0.0, quiet: bool = False) -> list[TurnResult]:
+    """``request_log``: the gateway writes its request log there (``kvgate tune`` replays it);
+    ``stagger_s``: the agents start that far apart (at 0, all at once)."""
     model_dir = ensure_tiny_model()
     sims: list[tuple[SimWorker, ServerHandle]] = []
     gw: ServerHandle | None = None
@@ -137,17 +157,23 @@ async def run_demo(n_workers: int = 3, profile: str = "h100-llama3-8b", speed: f
         settings = GatewaySettings(
             workers=[WorkerConfig(url=h.url, model="kvgate-tiny", engine="sim", block_size=w.profile.block_size,
                                   kv_events="auto") for w, h in sims],
-            policy="cost_model", tokenizers={"kvgate-tiny": str(model_dir)}, hash_seed="0", health_interval_s=1.0)
+            policy="cost_model", tokenizers={"kvgate-tiny": str(model_dir)}, hash_seed="0", health_interval_s=1.0,
+            request_log=request_log)
         gw = await start_server(create_app(settings))
-        print(f"kvgate demo: gateway {gw.url}, {n_workers} simulated vLLM workers ({profile} timing, KV events), "
-              f"policy cost_model\n")
+        if not quiet:
+            print(f"kvgate demo: gateway {gw.url}, {n_workers} simulated vLLM workers ({profile} timing, KV events), "
+                  f"policy cost_model\n")
+        names = [f"agent-{chr(65 + i)}" if agents <= 26 else f"agent-{i + 1}" for i in range(agents)]
         async with make_client(60.0) as client:
-            # Three agents at once: the cost model weighs each one's cached prefix against the queue
+            # The agents at once: the cost model weighs each one's cached prefix against the queue
             # the others are building on the same worker.
-            per = await asyncio.gather(*(run_session(client, gw.url, conv) for conv in ("agent-A", "agent-B",
-                                                                                         "agent-C")))
+            per = await asyncio.gather(*(_later(i * stagger_s, run_session(client, gw.url, conv, tool_s=tool_s))
+                                         for i, conv in enumerate(names)))
             rows = [r for session in per for r in session]
-        print_table(rows)
+        if not quiet:
+            print_table(rows)
+        if request_log and not quiet:
+            print(f"\nrequest log: {request_log} (replay it with: kvgate tune {request_log})")
         return rows
     finally:
         if gw is not None:

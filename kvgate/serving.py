@@ -1,11 +1,15 @@
-"""Running ASGI apps under uvicorn inside an existing event loop (CLI, demo, tests, benchmarks)."""
+"""Running ASGI apps under uvicorn inside an existing event loop (CLI, demo, tests, benchmarks).
+
+Only uvicorn's public API: ``Server.serve(sockets=...)``, ``Server.capture_signals`` and
+``Server.handle_exit`` (overridden), ``started``/``should_exit``/``force_exit``.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
 
 import uvicorn
@@ -14,11 +18,25 @@ from fastapi import FastAPI
 
 class DrainingServer(uvicorn.Server):
     """On SIGTERM/SIGINT, first flip the app to draining (``/ready`` answers 503), then let uvicorn
-    stop accepting and finish in-flight requests within its graceful-shutdown timeout."""
+    stop accepting and finish in-flight requests within its graceful-shutdown timeout.
 
-    def __init__(self, config: uvicorn.Config, on_drain: Callable[[], None] | None = None) -> None:
+    ``owns_signals=False``: several servers share one process in the demo and the tests, and only the
+    main one may install handlers (each install replaces the previous one's, and uvicorn re-raises the
+    captured signal once it is done, which would end the process under the other servers)."""
+
+    def __init__(self, config: uvicorn.Config, on_drain: Callable[[], None] | None = None,
+                 owns_signals: bool = True) -> None:
         super().__init__(config)
         self._on_drain = on_drain
+        self._owns_signals = owns_signals
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if not self._owns_signals:
+            yield
+            return
+        with super().capture_signals():
+            yield
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._on_drain is not None:
@@ -36,7 +54,8 @@ class ServerHandle:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
 
     async def stop(self) -> None:
         self.server.should_exit = True
@@ -53,25 +72,38 @@ class ServerHandle:
             await self.task
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """A listening-ready TCP socket. Bound before the server starts, so port 0 gives a free port we know
+    up front. The explicit IPPROTO_TCP matters: asyncio only sets TCP_NODELAY on accepted sockets whose
+    proto says TCP, and without it a streamed response's first event waits ~40 ms for the client's
+    delayed ACK."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
 async def start_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0, *,
                        graceful_timeout_s: float | None = None, on_drain: Callable[[], None] | None = None,
                        install_signal_handlers: bool = False) -> ServerHandle:
-    # Bind first, so port 0 gives a free port we know before the server starts. The explicit
-    # IPPROTO_TCP matters: asyncio only sets TCP_NODELAY on accepted sockets whose proto says TCP, and
-    # without it a streamed response's first event waits ~40 ms for the client's delayed ACK.
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    sock = bind(host, port)
     graceful = None if graceful_timeout_s is None else max(1, round(graceful_timeout_s))
     config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=graceful,
                             access_log=False)
-    server = DrainingServer(config, on_drain)
-    # Several servers share one process in the demo and the tests: only the main one owns the signals.
-    coro = server.serve(sockets=[sock]) if install_signal_handlers else server._serve(sockets=[sock])
-    task = asyncio.get_running_loop().create_task(coro)
+    server = DrainingServer(config, on_drain, owns_signals=install_signal_handlers)
+    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
     while not server.started:
         if task.done():
             task.result()  # surfaces the start-up error
             raise RuntimeError("server exited during start-up")
         await asyncio.sleep(0.01)
     return ServerHandle(server, task, sock)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now, for a socket bound a moment later (the demo's KV event sockets)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port

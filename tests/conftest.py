@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -9,10 +10,11 @@ from typing import Any
 
 import pytest
 
-from kvgate.config import GatewaySettings, SimSettings, WorkerConfig
+from kvgate.config import GatewaySettings, WorkerConfig
 from kvgate.gateway.app import Gateway, create_app
 from kvgate.serving import ServerHandle, start_server
 from kvgate.sim.server import SimWorker
+from kvgate.sim.settings import SimSettings
 from kvgate.tokens.tinymodel import ensure_tiny_model
 from kvgate.tokens.tokenizer import ChatTokenizer
 
@@ -33,6 +35,12 @@ def tokenizer(model_dir: Path) -> ChatTokenizer:
 class Cluster:
     sims: list[tuple[SimWorker, ServerHandle]] = field(default_factory=list)
     gateway_handle: ServerHandle | None = None
+    replicas: list[ServerHandle] = field(default_factory=list)
+    """Every gateway replica (the first is ``gateway_handle``), sharing the workers and the store."""
+
+    @property
+    def urls(self) -> list[str]:
+        return [r.url for r in self.replicas]
 
     @property
     def url(self) -> str:
@@ -52,11 +60,25 @@ class Cluster:
         raise KeyError(wid)
 
     async def close(self) -> None:
-        if self.gateway_handle is not None:
-            await self.gateway_handle.stop()
+        import asyncio
+        import io
+
+        for r in self.replicas:
+            try:
+                await asyncio.wait_for(r.stop(), 60)
+            except TimeoutError:
+                # A gateway that does not stop is a bug: say where it is stuck instead of hanging the suite.
+                out = io.StringIO()
+                for t in asyncio.all_tasks():
+                    t.print_stack(file=out)
+                raise AssertionError(f"gateway did not stop in 60 s; tasks:\n{out.getvalue()[-8000:]}") from None
         for _, h in self.sims:
             if not h.task.done():
                 await h.stop()
+
+
+# KVGATE_TEST_SIM_ENGINE=sglang runs the gateway suites against simulated SGLang workers.
+SIM_ENGINE = os.environ.get("KVGATE_TEST_SIM_ENGINE", "vllm")
 
 
 @pytest.fixture
@@ -64,16 +86,21 @@ async def make_cluster(model_dir: Path) -> AsyncIterator[Any]:
     clusters: list[Cluster] = []
 
     async def make(n: int = 2, sim: dict[str, Any] | None = None, events: bool = False, tokenizer: bool = True,
-                   **gw: Any) -> Cluster:
+                   replicas: int = 1, per_sim: list[dict[str, Any]] | None = None,
+                   worker: dict[str, Any] | None = None, **gw: Any) -> Cluster:
         """``events``: the simulated workers publish KV events and the gateway subscribes (precise mode);
-        otherwise the cost model runs on what it routed (approximate mode)."""
+        otherwise the cost model runs on what it routed (approximate mode). ``replicas``: gateways that
+        share the workers (and, with ``session_store="redis"``, the conversations). ``per_sim``: settings
+        of each simulated worker on top of ``sim``; ``worker``: what the gateway is told of every worker
+        (by default the simulator's block size)."""
         c = Cluster()
         clusters.append(c)
-        for _ in range(n):
-            extra: dict[str, Any] = dict(sim or {"speed": 20.0})
+        for i in range(n):
+            extra: dict[str, Any] = {**(sim or {"speed": 20.0}), **(per_sim[i] if per_sim else {})}
             if events:
                 extra["kv_events_endpoint"] = f"tcp://127.0.0.1:{free_port()}"
                 extra["kv_replay_endpoint"] = f"tcp://127.0.0.1:{free_port()}"
+            extra.setdefault("engine", SIM_ENGINE)
             w = SimWorker(SimSettings(model_dir=str(model_dir), hash_seed="0", **extra))
             c.sims.append((w, await start_server(w.build_app())))
         gw.setdefault("health_interval_s", 0.2)
@@ -81,9 +108,13 @@ async def make_cluster(model_dir: Path) -> AsyncIterator[Any]:
         if tokenizer:
             gw.setdefault("tokenizers", {MODEL: str(model_dir)})
         settings = GatewaySettings(
-            workers=[WorkerConfig(url=h.url, model=MODEL, engine="sim", block_size=w.profile.block_size,
-                                  kv_events="auto" if events else None) for w, h in c.sims], **gw)
-        c.gateway_handle = await start_server(create_app(settings))
+            workers=[WorkerConfig(**{"url": h.url, "model": MODEL, "block_size": w.profile.block_size,
+                                     "engine": "sim" if w.settings.engine == "vllm" else "sglang",
+                                     "kv_events": "auto" if events else None, **(worker or {})}) for w, h in c.sims],
+            **gw)
+        for _ in range(replicas):
+            c.replicas.append(await start_server(create_app(settings)))
+        c.gateway_handle = c.replicas[0]
         return c
 
     yield make
@@ -166,6 +197,10 @@ def spawn(tmp_path: Path) -> Iterator[Any]:
 
 
 def free_port() -> int:
-    from kvgate.dev import engines
+    """A TCP port nothing listens on now, for a socket a test binds (or must find closed) later."""
+    import socket
 
-    return engines.free_port()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port

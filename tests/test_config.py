@@ -3,7 +3,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from kvgate.config import GatewaySettings, SimSettings, format_validation_error
+from kvgate.config import GatewaySettings, format_validation_error
+from kvgate.sim.settings import SimSettings
 
 
 def test_env_vars_configure_workers(clean_env: pytest.MonkeyPatch) -> None:

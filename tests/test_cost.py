@@ -52,13 +52,47 @@ def test_externality_pushes_big_requests_away_from_waiting_ones() -> None:
     assert social.pick(r, FleetView((waiting, other))).worker == "w1"  # type: ignore[union-attr]
 
 
+def test_backlog_keeps_a_prefix_when_the_fleet_is_queued() -> None:
+    busy_cached = w(1, pending_prefill_tokens=2500, pending_requests=2, in_flight=2)
+    r = req(2000, {"w1": 100})  # 1,600 tokens cached on w1
+    greedy = CostModel(P.model_copy(update={"backlog_weight": 0.0}))
+    # Alone, w0 is faster for this request: 2 passes of 1,000 (220 ms) against 3 passes behind w1's queue (320).
+    assert greedy.pick(r, FleetView((w(0), busy_cached))).worker == "w0"  # type: ignore[union-attr]
+    # With a request waiting per worker, recomputing 1,600 tokens costs the fleet more than it saves here:
+    # w0 220 + 1 x 0.1 x 2000 = 420 ms against w1 320 + 1 x 0.1 x 400 = 360 ms.
+    m = CostModel(P)
+    assert m.backlog_ms(r, w(0), 1.0) == pytest.approx(200) and m.backlog_ms(r, busy_cached, 1.0) == pytest.approx(40)
+    d = m.pick(r, FleetView((w(0), busy_cached)))
+    assert d is not None and d.worker == "w1" and d.reason == "longest_prefix"
+
+
+def test_backlog_costs_nothing_while_no_one_waits() -> None:
+    m = CostModel(P)
+    assert m.backlog_ms(req(2000), w(0), 0.0) == 0
+    idle = FleetView((w(0), w(1, in_flight=1, decode_requests=1)))
+    scores = m.pick(req(2000, {"w1": 100}), idle).scores  # type: ignore[union-attr]
+    assert scores[WorkerId("w0")] == pytest.approx(m.ttft_ms(req(2000, {"w1": 100}), w(0)))
+
+
 def test_affinity_breaks_ties_and_bounded_load_caps() -> None:
     m = CostModel(P)
     d = m.pick(req(100, home="w1"), FleetView((w(0), w(1))))
     assert d is not None and d.worker == "w1"
     capped = CostModel(P.model_copy(update={"load_epsilon": 0.0}))
     d = capped.pick(req(2000, {"w1": 100}), FleetView((w(0), w(1, in_flight=5))))
-    assert d is not None and d.worker == "w0" and d.reason.endswith("_bounded")
+    assert d is not None and d.worker == "w0" and d.bounded
+
+
+def test_leaving_home_is_charged_only_for_the_prefix_the_new_worker_lacks() -> None:
+    m = CostModel(P.model_copy(update={"affinity_cache_fraction": 1.0}))
+    r = RouteRequest("m", ConversationId("c"), WorkerId("w0"), prompt_tokens=3000, block_size=16,
+                     matched_blocks={WorkerId("w0"): 100, WorkerId("w1"): 150, WorkerId("w2"): 25})
+    assert m.move_ms(r, w(0)) == -1  # the home's tie-breaker
+    assert m.move_ms(r, w(1)) == 0  # w1 holds more than the home: nothing is lost by going there
+    assert m.move_ms(r, w(2)) == pytest.approx(0.1 * (1600 - 400))  # w2 would recompute 1,200 home tokens
+    # The home's stale claim does not keep the conversation from the worker with the longer prefix.
+    d = m.pick(r, FleetView((w(0), w(1), w(2))))
+    assert d is not None and d.worker == "w1" and d.reason == "longest_prefix"
 
 
 def test_unhealthy_and_excluded_are_skipped() -> None:
@@ -101,7 +135,7 @@ def test_tier_loads_are_priced_by_bandwidth() -> None:
 def test_the_node_with_the_cpu_copy_wins_and_says_so() -> None:
     fleet = FleetView((w(0, node="a"), w(1, node="b")))
     d = CostModel(T).pick(tier_req(4000, {"b": 3840}, remote=3840), fleet)
-    assert d is not None and d.worker == "w1" and d.tier == "cpu" and d.reason == "longest_prefix_cpu"
+    assert d is not None and d.worker == "w1" and d.tier == "cpu" and d.reason == "longest_prefix"
     assert d.expected_cached_tokens == 3840 and d.expected_loaded_tokens == 3840
 
 
@@ -111,7 +145,7 @@ def test_remote_tier_serves_any_worker_instead_of_recompute() -> None:
     remote = m.ttft_ms(tier_req(4000, remote=3840), w(0))
     assert remote < cold  # 3,840 tokens at 1 GB/s (384 ms) beat computing them (10 + 400 ms)
     d = m.pick(tier_req(4000, remote=3840), FleetView((w(0), w(1))))
-    assert d is not None and d.tier == "remote" and d.reason.endswith("_remote")
+    assert d is not None and d.tier == "remote" and d.reason == "longest_prefix"
 
 
 def test_reserved_kv_steers_newcomers_elsewhere() -> None:

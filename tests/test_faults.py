@@ -11,10 +11,11 @@ import httpx
 import openai
 import pytest
 
-from kvgate.config import GatewaySettings, SimSettings, WorkerConfig
+from kvgate.config import GatewaySettings, WorkerConfig
 from kvgate.gateway.app import create_app
 from kvgate.serving import start_server
 from kvgate.sim.server import SimWorker
+from kvgate.sim.settings import SimSettings
 from tests.conftest import MODEL, free_port
 from tests.test_gateway import TOOLS, metric
 
@@ -117,3 +118,70 @@ async def test_bad_config_exits_with_clear_message(spawn: Any) -> None:
     assert p.popen.wait(timeout=30) == 2
     out = p.tail()
     assert "invalid configuration" in out and "policy:" in out and "port:" in out
+
+
+class CrashingWorker:
+    """A worker that answers its health checks and dies of the first chat request it gets: a real TCP
+    server that writes ``answer`` (a 500, or nothing) and then closes the connection and stops listening,
+    as a vLLM whose engine died of a request does."""
+
+    def __init__(self, answer: bytes) -> None:
+        self.answer = answer
+        self.requests = 0
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._conn, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                if head.startswith(b"POST /v1/"):
+                    self.requests += 1
+                    writer.write(self.answer)
+                    await writer.drain()
+                    assert self.server is not None
+                    self.server.close()  # the process is gone: nothing listens any more
+                    break
+                status = b"200 OK" if head.startswith(b"GET /health ") else b"404 Not Found"
+                writer.write(b"HTTP/1.1 " + status + b"\r\ncontent-length: 0\r\n\r\n")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+BODY_500 = b'{"error": {"message": "EngineCore encountered an issue", "code": 500}}'
+ANSWER_500 = (b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\n"
+              b"content-length: %d\r\nconnection: close\r\n\r\n" % len(BODY_500)) + BODY_500
+
+
+@pytest.mark.parametrize(("answer", "status", "code"), [
+    (ANSWER_500, 400, "upstream_request_failed"),
+    (b"", 502, "upstream_connection_lost"),
+])
+async def test_a_request_that_crashes_a_worker_is_not_handed_to_the_next_one(answer: bytes, status: int,
+                                                                             code: str) -> None:
+    workers = [CrashingWorker(answer) for _ in range(3)]
+    urls = [await w.start() for w in workers]
+    settings = GatewaySettings(workers=[WorkerConfig(url=u, model=MODEL, engine="sim") for u in urls],
+                               max_attempts=3, health_interval_s=30)
+    gw = await start_server(create_app(settings))
+    try:
+        async with httpx.AsyncClient(timeout=10) as h:
+            r = await h.post(gw.url + "/v1/chat/completions",
+                             json={"model": MODEL, "messages": [{"role": "user", "content": "poison"}]})
+        assert r.status_code == status and "retry-after" not in r.headers
+        assert r.json()["error"]["code"] == code and "not retried" in r.json()["error"]["message"]
+        assert sum(w.requests for w in workers) == 1
+    finally:
+        await gw.stop()
+        for w in workers:
+            assert w.server is not None
+            w.server.close()

@@ -88,7 +88,7 @@ async def test_bad_reasoning_policy_is_a_400(make_cluster: Any) -> None:
     c = await make_cluster(1)
     r = await chat(c, "bad", [{"role": "user", "content": "x"}], reasoning_policy="summarise")
     assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_policy"
-    assert await c.gateway.sessions.count() == 0
+    assert c.gateway.store.stats()["conversations"] == 0
 
 
 async def test_stateful_continuation_rebuilds_history_and_guards_it(make_cluster: Any) -> None:

@@ -6,9 +6,8 @@ from typing import Any
 
 import httpx
 
-from kvgate.dev.engines import free_port
 from kvgate.kvstore.tiers import LMCacheControl
-from tests.conftest import Cluster
+from tests.conftest import Cluster, free_port
 from tests.test_gateway import eventually, metric
 from tests.test_gateway_history import chat, ready
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvgate.gateway.lifecycle import Event, IllegalTransition, Lifecycle, State
-from kvgate.router.waits import WaitPlan
+from kvgate.session.lifecycle import Event, IllegalTransition, Lifecycle, State
+from kvgate.session.waits import WaitPlan
 
 
 def test_tool_chain_then_answer() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvgate.gateway.loss import explain_cache, explain_prompt
+from kvgate.history.loss import explain_cache, explain_prompt
 
 S = {"role": "system", "content": "S"}
 U1 = {"role": "user", "content": "q1"}
@@ -57,3 +57,75 @@ def test_cache_side_loss_is_rerouted_or_evicted_and_adds_up() -> None:
     prompt_loss = explain_prompt(chain(100), chain(50) + [1] * 70, 16, [S, U1, A1], [S, {**U1, "content": "x"}, A1])
     missing, _ = explain_cache(prompt_loss.best, 16, 16, 48)
     assert prompt_loss.lost + missing == prompt_loss.reusable - 16  # everything lost is explained
+
+
+# -- attribution where the tokens diverge (real tokenizer and template) ---------------------------------
+from kvgate.history.loss import message_at  # noqa: E402
+from kvgate.tokens.spans import anchored_token_starts  # noqa: E402
+from kvgate.tokens.tinymodel import ensure_tiny_model  # noqa: E402
+from kvgate.tokens.tokenizer import ChatTokenizer  # noqa: E402
+
+TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run",
+                                           "parameters": {"type": "object"}}}]
+CALL = {"role": "assistant", "content": "", "reasoning": "look at the files first",
+        "tool_calls": [{"id": "c1", "type": "function",
+                        "function": {"name": "bash", "arguments": '{"command": "ls -la", "timeout": 5}'}}]}
+
+
+def _render(tok: ChatTokenizer, msgs: list[dict[str, Any]], gen: bool) -> tuple[list[int], list[int]]:
+    text = tok.render_chat(msgs, TOOLS, add_generation_prompt=gen)
+    if not gen:
+        text = text.rstrip("\n")
+    # The token->message map as the gateway makes it: from the added-token anchors of the rendered prompt.
+    ids, starts = tok.encode_with_starts(text)
+    added = {i for t in tok.special_tokens if (i := tok.token_to_id(t)) is not None}
+    at = [j for j, t in enumerate(ids) if t in added]
+    return ids, anchored_token_starts(text, [starts[j] for j in at], at, msgs)
+
+
+def test_reasoning_drop_is_named_where_the_tokens_diverge() -> None:
+    # The exact client: nothing changed in the messages, but the next user turn closes the tool chain
+    # and the Qwen3-style template stops rendering the call's reasoning — at message 2, not at the
+    # first message whose content differs (there is none before the new user message 6).
+    tok = ChatTokenizer(ensure_tiny_model())
+    history = [S, U1, CALL, {"role": "tool", "tool_call_id": "c1", "content": "a.py b.py"},
+               {"role": "assistant", "content": "two files", "reasoning": "done"}]
+    chain, _ = _render(tok, history, gen=False)
+    msgs = [*history, {"role": "user", "content": "now run the tests"}]
+    prompt, starts = _render(tok, msgs, gen=True)
+    loss = explain_prompt(chain, prompt, 16, history, msgs, starts=starts)
+    assert loss.cause == "reasoning_dropped" and loss.detail == "message 2 (template)", loss
+    assert loss.diverged_at is not None and message_at(starts, loss.diverged_at) == 2
+
+
+def test_a_change_that_alters_no_token_is_no_loss() -> None:
+    # Re-spaced arguments: vLLM parses and re-dumps them, so the tokens are the same; the loss that is
+    # left (the client edited message 1 later on) is named there, not at the re-spaced call.
+    tok = ChatTokenizer(ensure_tiny_model())
+    history = [S, U1, CALL, {"role": "tool", "tool_call_id": "c1", "content": "a.py"}]
+    chain, _ = _render(tok, history, gen=False)
+    respaced = {**CALL, "tool_calls": [{**CALL["tool_calls"][0], "function": {
+        "name": "bash", "arguments": '{"command":"ls -la","timeout":5}'}}]}
+    same_tokens = [*history[:2], respaced, history[3]]
+    prompt, starts = _render(tok, same_tokens, gen=True)
+    loss = explain_prompt(chain, prompt, 16, history, same_tokens, starts=starts)
+    assert loss.lost < 16 and loss.cause in (None, "block_alignment"), loss
+    edited = [*history[:3], {**history[3], "content": "a.py c.py"}]
+    prompt, starts = _render(tok, [*edited[:2], respaced, edited[3]], gen=True)
+    loss = explain_prompt(chain, prompt, 16, history, [*edited[:2], respaced, edited[3]], starts=starts)
+    assert loss.cause == "client_edit" and loss.detail == "message 3", loss
+
+
+def test_retokenized_output_is_its_own_cause() -> None:
+    # The engine generated "<tool_call>" as plain-text tokens; the template renders the added token.
+    tok = ChatTokenizer(ensure_tiny_model())
+    history = [S, U1, CALL]
+    rendered, _ = _render(tok, history, gen=False)
+    head, _ = _render(tok, [S, U1], gen=True)
+    before, after = tok.decode(rendered[len(head):]).split("<tool_call>", 1)
+    generated = head + tok.encode(before) + tok.encode("<") + tok.encode("tool_call>") + tok.encode(after)
+    assert tok.decode(generated) == tok.decode(rendered) and generated != rendered
+    msgs = [*history, {"role": "tool", "tool_call_id": "c1", "content": "a.py"}]
+    prompt, starts = _render(tok, msgs, gen=True)
+    loss = explain_prompt(generated, prompt, 16, history, msgs, starts=starts, rendered_chain=rendered)
+    assert loss.cause == "retokenization" and loss.detail.startswith("message 2"), loss

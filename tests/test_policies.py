@@ -1,6 +1,7 @@
 from collections import Counter
 
-from kvgate.router.policies import HashRing, LeastLoaded, RoundRobin, SessionAffinity, make_policy
+from kvgate.router.cost import CostModel
+from kvgate.router.policies import HashRing, LeastLoaded, PolicyParams, RoundRobin, SessionAffinity, make_policy
 from kvgate.router.types import ConversationId, FleetView, RouteRequest, WorkerId, WorkerView
 
 
@@ -78,7 +79,11 @@ def test_ring_moves_only_removed_workers_keys() -> None:
 
 
 def test_make_policy_validates_name() -> None:
-    assert make_policy("session_affinity", epsilon=0.5).name == "session_affinity"
+    p = make_policy("session_affinity", PolicyParams(affinity_epsilon=0.5))
+    assert isinstance(p, SessionAffinity) and p.epsilon == 0.5
+    assert isinstance(make_policy("cost_model"), CostModel)
+    assert {make_policy(n).name for n in ("round_robin", "least_loaded", "session_affinity", "cost_model")} == {
+        "round_robin", "least_loaded", "session_affinity", "cost_model"}
     try:
         make_policy("random")
     except ValueError as exc:

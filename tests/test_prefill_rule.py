@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvgate.gateway.prefill import ContinueStats, PrefillParams, PrefillStats, decide, gain_tokens, p_continue
-from kvgate.gateway.prompts import common_prefix
+from kvgate.sequences import common_prefix
+from kvgate.session.prefill import ContinueStats, PrefillParams, PrefillStats, decide, gain_tokens, p_continue
 
 
 def test_gain_counts_whole_blocks_after_the_divergence() -> None:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from kvgate.gateway.prompts import PromptBuilder, common_prefix
-from kvgate.router.hashing import VllmHasher, event_int
+from kvgate.gateway.prompts import PromptBuilder
+from kvgate.router.hashing import HashSpec, VllmHasher, event_int
+from kvgate.sequences import common_prefix
 from kvgate.tokens.tokenizer import ChatTokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]
+SPEC = HashSpec(16, seed="0")
 
 
 def builder(tok: ChatTokenizer, calls: list[Any] | None = None) -> PromptBuilder:
@@ -18,12 +20,12 @@ def builder(tok: ChatTokenizer, calls: list[Any] | None = None) -> PromptBuilder
             calls.append(body)
         return tok.encode_chat(body["messages"], body.get("tools")) if "messages" in body else None
 
-    return PromptBuilder({"m": tok}, {"m": VllmHasher(16, seed="0")}, worker_tokenize, 100)
+    return PromptBuilder({"m": tok}, lambda m: [SPEC], worker_tokenize)
 
 
-def expected(tok: ChatTokenizer, msgs: list[dict[str, Any]]) -> tuple[int, tuple[int, ...]]:
+def expected(tok: ChatTokenizer, msgs: list[dict[str, Any]]) -> tuple[int, dict[HashSpec, tuple[int, ...]]]:
     ids = tok.encode_chat(msgs, TOOLS)
-    return len(ids), tuple(event_int(h) for h in VllmHasher(16, seed="0").block_hashes(ids))
+    return len(ids), {SPEC: tuple(event_int(h) for h in VllmHasher(16, seed="0").block_hashes(ids))}
 
 
 async def test_incremental_equals_scratch_through_a_conversation(tokenizer: ChatTokenizer) -> None:
@@ -40,9 +42,11 @@ async def test_incremental_equals_scratch_through_a_conversation(tokenizer: Chat
     edited = copy.deepcopy(steps[-1])
     edited[1]["content"] = "go, but differently"  # an edit early in the history
     steps.append(edited)
+    chain = None
     for msgs_i in steps:
-        p = await b.prepare("m", "chat", {"model": "m", "messages": msgs_i, "tools": TOOLS}, "conv")
+        p = await b.prepare("m", "chat", {"model": "m", "messages": msgs_i, "tools": TOOLS}, chain)
         assert (p.length, p.hashes) == expected(tokenizer, msgs_i)
+        chain = p.chain
     # Later turns re-tokenized only their new text and re-hashed only new blocks.
     assert b.retokenized_chars < 3 * len(tokenizer.render_chat(steps[-1], TOOLS))
 
@@ -50,27 +54,28 @@ async def test_incremental_equals_scratch_through_a_conversation(tokenizer: Chat
 async def test_reused_blocks_grow_with_the_history(tokenizer: ChatTokenizer) -> None:
     b = builder(tokenizer)
     msgs: list[dict[str, Any]] = [{"role": "user", "content": "hello " * 200}]
-    first = await b.prepare("m", "chat", {"model": "m", "messages": msgs}, "c")
+    first = await b.prepare("m", "chat", {"model": "m", "messages": msgs}, None)
     msgs += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
-    second = await b.prepare("m", "chat", {"model": "m", "messages": msgs}, "c")
+    second = await b.prepare("m", "chat", {"model": "m", "messages": msgs}, first.chain)
     assert first.reused_blocks == 0 and second.reused_blocks >= first.length // 16 - 1
 
 
 async def test_worker_tokenization_when_no_local_tokenizer(tokenizer: ChatTokenizer) -> None:
     calls: list[Any] = []
-    b = PromptBuilder({}, {"m": VllmHasher(16, seed="0")}, builder(tokenizer, calls)._worker_tokenize, 10)
+    b = PromptBuilder({}, lambda m: [SPEC], builder(tokenizer, calls)._worker_tokenize)
     msgs = [{"role": "user", "content": "hi " * 40}]
-    p = await b.prepare("m", "chat", {"model": "m", "messages": msgs, "tools": TOOLS}, "c")
+    p = await b.prepare("m", "chat", {"model": "m", "messages": msgs, "tools": TOOLS}, None)
     assert p.source == "worker" and len(calls) == 1 and p.length == len(tokenizer.encode_chat(msgs, TOOLS))
 
 
 async def test_token_id_prompts_and_salts(tokenizer: ChatTokenizer) -> None:
     b = builder(tokenizer)
     ids = list(range(100))
-    plain = await b.prepare("m", "completions", {"model": "m", "prompt": ids}, "c")
-    salted = await b.prepare("m", "completions", {"model": "m", "prompt": ids, "cache_salt": "t"}, "c")
+    plain = await b.prepare("m", "completions", {"model": "m", "prompt": ids}, None)
+    salted = await b.prepare("m", "completions", {"model": "m", "prompt": ids, "cache_salt": "t"}, None)
     assert plain.length == 100 and plain.hashes != salted.hashes
-    assert salted.hashes == tuple(event_int(h) for h in VllmHasher(16, seed="0").block_hashes(ids, cache_salt="t"))
+    want = VllmHasher(16, seed="0").block_hashes(ids, cache_salt="t")
+    assert salted.hashes == {SPEC: tuple(event_int(h) for h in want)}
 
 
 def testcommon_prefix() -> None:
@@ -79,12 +84,46 @@ def testcommon_prefix() -> None:
     assert common_prefix([1, 2, 3], (1, 2, 9)) == 2  # a list and a tuple of the same tokens agree
 
 
-async def test_another_conversations_render_never_leaks_into_hashing(tokenizer: ChatTokenizer) -> None:
+async def test_the_completed_turns_chain_hashes_only_its_new_blocks(tokenizer: ChatTokenizer) -> None:
+    """The chain of a completed turn keeps the prompt's hashes for the blocks they share, so the next
+    prompt of the conversation hashes only what is new, and still equals hashing from scratch."""
     b = builder(tokenizer)
     msgs: list[dict[str, Any]] = [{"role": "system", "content": "system " * 300}, {"role": "user", "content": "q"}]
-    await b.prepare("m", "chat", {"model": "m", "messages": msgs, "tools": TOOLS}, "C")
-    for _ in range(2):
-        b.render_tokens("m", [{"role": "user", "content": "other " * 50}], None, "X#chain")
-    edited = [{"role": "system", "content": "changed " * 300}, {"role": "user", "content": "q"}]
-    p = await b.prepare("m", "chat", {"model": "m", "messages": edited, "tools": TOOLS}, "C")
-    assert p.reused_blocks == 0 and (p.length, p.hashes) == expected(tokenizer, edited)
+    first = await b.prepare("m", "chat", {"model": "m", "messages": msgs, "tools": TOOLS}, None)
+    reply = {"role": "assistant", "content": "an answer " * 30}
+    chain = b.chain_for("m", [*msgs, reply], TOOLS, first.chain)
+    nxt = [*msgs, reply, {"role": "user", "content": "and then?"}]
+    second = await b.prepare("m", "chat", {"model": "m", "messages": nxt, "tools": TOOLS}, chain)
+    assert (second.length, second.hashes) == expected(tokenizer, nxt)
+    assert second.reused_blocks >= first.length // 16 - 1
+    edited = [{"role": "system", "content": "changed " * 300}, *nxt[1:]]
+    third = await b.prepare("m", "chat", {"model": "m", "messages": edited, "tools": TOOLS}, chain)
+    assert third.reused_blocks == 0 and (third.length, third.hashes) == expected(tokenizer, edited)
+
+
+async def test_a_long_prompt_without_a_chain_is_tokenized_only_as_far_as_some_worker_holds_it(
+        tokenizer: ChatTokenizer) -> None:
+    b = builder(tokenizer)
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "system " * 300}]
+    for i in range(60):
+        msgs += [{"role": "user", "content": f"question {i} " * 60},
+                 {"role": "assistant", "content": f"answer {i} " * 60}]
+    full_len, full_hashes = expected(tokenizer, msgs)
+    held_blocks = set(full_hashes[SPEC][:20])  # a worker holds the first 20 blocks only
+
+    cold = await b.prepare("m", "chat", {"model": "m", "messages": msgs, "tools": TOOLS}, None,
+                           held=lambda spec, block: block in held_blocks)
+    assert not cold.complete and cold.tokens is not None and len(cold.tokens) < full_len // 2
+    got = cold.hashes[SPEC]
+    assert got == full_hashes[SPEC][: len(got)] and len(got) > 20  # exact as far as it went, past the held part
+    assert abs(cold.length - full_len) < full_len * 0.1  # the rest is estimated
+    # Held all the way: tokenized whole, and equal to doing it from scratch.
+    everything = set(full_hashes[SPEC])
+    whole = await b.prepare("m", "chat", {"model": "m", "messages": msgs, "tools": TOOLS}, None,
+                            held=lambda spec, block: block in everything)
+    assert whole.complete and (whole.length, whole.hashes) == (full_len, full_hashes)
+    # The turn's chain built from the partial prompt is the whole rendered history.
+    reply = {"role": "assistant", "content": "done"}
+    chain = b.chain_for("m", [*msgs, reply], TOOLS, cold.chain)
+    assert chain is not None
+    assert list(chain.tokens) == tokenizer.encode(tokenizer.render_chat([*msgs, reply], TOOLS, False).rstrip("\n"))

@@ -59,3 +59,31 @@ def test_builder_is_deterministic(tmp_path: Path, model_dir: Path) -> None:
 def test_template_errors_are_typed(tokenizer: ChatTokenizer) -> None:
     with pytest.raises(TemplateError):
         tokenizer.render_chat([])  # the template indexes messages[0]
+
+
+def test_the_sandbox_changes_nothing_but_time() -> None:
+    """Rendered in a plain Jinja environment (the gateway's default, ``template_sandbox``), every template
+    the project carries gives byte for byte what the sandbox gives."""
+    from kvgate.tokens.template import ChatTemplate
+    from kvgate.tokens.tinymodel import ensure_tiny_model
+
+    sources = [p.read_text() for p in sorted((Path(__file__).parents[1] / "data" / "templates").glob("*.jinja"))]
+    tiny = ChatTokenizer(ensure_tiny_model())
+    sources.append(tiny.template.source)
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "find ü"},
+            {"role": "assistant", "content": "", "reasoning": "think", "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "search", "arguments": '{"q": "x"}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "found"},
+            {"role": "assistant", "content": "done", "reasoning": "ok"}, {"role": "user", "content": "next"}]
+    tools = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]
+    for src in sources:
+        for gen in (True, False):
+            for t in (tools, None):
+                outs = []
+                for sandbox in (True, False):
+                    try:
+                        outs.append(ChatTemplate(src, {"bos_token": "<s>", "eos_token": "</s>"}, sandbox).render(
+                            msgs, tools=t, add_generation_prompt=gen))
+                    except TemplateError as exc:  # the same refusal either way
+                        outs.append(f"error: {exc}")
+                assert outs[0] == outs[1] and outs[0]

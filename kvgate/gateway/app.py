@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
 import socket
 import time
@@ -17,27 +17,45 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvgate.clock import Clock, MonotonicClock
 from kvgate.config import GatewaySettings
-from kvgate.errors import error_body
-from kvgate.gateway.background_prefill import BackgroundPrefill
-from kvgate.gateway.kvevents import KvEventSubscriber
+from kvgate.discovery import make_source
+from kvgate.errors import ApiError, error_body
+from kvgate.gateway.actions import GatewayActions
+from kvgate.gateway.admin import admin_routes
+from kvgate.gateway.auth import Authenticator
+from kvgate.gateway.inputlimits import PromptLimits, learn_context
+from kvgate.gateway.kvevents import KvEventSubscriber, SubscriberCollector
+from kvgate.gateway.membership import Membership
+from kvgate.gateway.policyedit import GatewayPolicy, PolicyLog
 from kvgate.gateway.prefix import PrefixKnowledge
+from kvgate.gateway.prepare import Preparer
 from kvgate.gateway.prompts import PromptBuilder
 from kvgate.gateway.proxy import Proxy
+from kvgate.gateway.record import Recorder
+from kvgate.gateway.relay import Relay
+from kvgate.gateway.requestlog import RequestLog
+from kvgate.gateway.route import Router
+from kvgate.gateway.runtime import SessionRuntime
+from kvgate.gateway.send import Sender
 from kvgate.gateway.telemetry import GatewayMetrics, PrefixCollector
-from kvgate.gateway.tiering import TierKeeper
-from kvgate.gateway.turns import TurnKeeper
-from kvgate.gateway.workers import WorkerPool
-from kvgate.kvstore.redis_sessions import RedisSessionStore, SessionStoreError
-from kvgate.kvstore.sessions import MemorySessionStore, SessionStore
-from kvgate.router.cost import CostModel, CostParams
-from kvgate.router.hashing import VllmHasher
-from kvgate.router.policies import Policy, make_policy
-from kvgate.router.types import ConversationId
+from kvgate.gateway.tierview import TierView
+from kvgate.gateway.tracing import Tracing
+from kvgate.gateway.turns import TurnService
+from kvgate.gateway.upstream import make_upstream
+from kvgate.gateway.workers import PoolCollector, WorkerPool
+from kvgate.grpc.server import start_grpc
+from kvgate.kvstore.conversations import ConversationStore, MemoryConversationStore
+from kvgate.kvstore.fleet import FleetStore, MemoryFleet
+from kvgate.kvstore.redis_conversations import RedisConversationStore
+from kvgate.kvstore.redis_fleet import RedisFleet
+from kvgate.router.cost import CostModel
+from kvgate.router.policies import Policy, PolicyParams, make_policy
+from kvgate.session.controller import ControllerParams, SessionController
+from kvgate.session.conversation import Limits
+from kvgate.session.state import Learned
 from kvgate.tokens.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
@@ -54,46 +72,80 @@ def make_client(timeout: httpx.Timeout | float) -> httpx.AsyncClient:
     return httpx.AsyncClient(timeout=timeout, transport=transport)
 
 
+def make_stores(settings: GatewaySettings, clock: Clock) -> tuple[ConversationStore, FleetStore]:
+    if settings.session_store == "redis":
+        return (RedisConversationStore(settings.redis_url, settings.session_ttl_s, settings.redis_prefix,
+                                       cluster=settings.redis_cluster),
+                RedisFleet(settings.redis_url, settings.redis_prefix, cluster=settings.redis_cluster))
+    return (MemoryConversationStore(clock, settings.session_ttl_s, settings.max_sessions, settings.max_store_bytes),
+            MemoryFleet())
+
+
 class Gateway:
     """Everything one gateway process owns; created per app, so tests can run several side by side."""
 
     def __init__(self, settings: GatewaySettings, clock: Clock | None = None,
-                 sessions: SessionStore | None = None) -> None:
+                 stores: tuple[ConversationStore, FleetStore] | None = None, tracing: Tracing | None = None) -> None:
         self.settings = settings
+        self.tracing = tracing or Tracing.from_env()  # OTEL_* variables; off unless they name an exporter
         self.clock = clock or MonotonicClock()
-        self.metrics = GatewayMetrics()
+        # Times stored in shared records (lifecycle, reservations, residency): wall time unless virtual.
+        wall = time.time if isinstance(self.clock, MonotonicClock) else self.clock.now
+        self.metrics = m = GatewayMetrics(settings.tokenizers)  # model directories give KV bytes per token
         timeout = httpx.Timeout(connect=settings.upstream_connect_timeout_s, read=settings.upstream_read_timeout_s,
                                 write=30.0, pool=settings.upstream_connect_timeout_s)
         self.client = make_client(timeout)
+        self.auth = Authenticator(settings.auth, self.client)
         self.pool = WorkerPool(settings.workers, self.client, self.clock, settings.health_interval_s,
-                               settings.health_timeout_s)
-        self.cost = CostModel(settings.cost.model_copy())
-        if settings.policy == "cost_model":
-            self.policy: Policy = self.cost
-        else:
-            params = {"epsilon": settings.affinity_epsilon} if settings.policy == "session_affinity" else {}
-            self.policy = make_policy(settings.policy, **params)
-        if sessions is not None:
-            self.sessions = sessions
-        elif settings.session_store == "redis":
-            self.sessions = RedisSessionStore(settings.redis_url, settings.session_ttl_s)
-        else:
-            self.sessions = MemorySessionStore(self.clock, settings.session_ttl_s, settings.max_sessions)
-        self.prefix = PrefixKnowledge(settings.workers, settings.approx_ttl_s)
-        self.subscriber = KvEventSubscriber(self.prefix.events, settings.workers, self.client)
-        tokenizers = {m: ChatTokenizer(Path(d)) for m, d in settings.tokenizers.items()}
-        hashers = {w.model: VllmHasher(w.block_size, w.hash_algo, settings.hash_seed) for w in settings.workers}
-        self.prompts = PromptBuilder(tokenizers, hashers, self._worker_tokenize, settings.max_tracked_conversations)
-        self.turns = TurnKeeper(settings.protocols, settings.reasoning_policy, settings.tenant_reasoning_policies,
-                                self.prompts, settings.max_tracked_conversations)
-        # Lifecycle times are shared through the session store: wall time unless the clock is virtual.
-        wall = time.time if isinstance(self.clock, MonotonicClock) else self.clock.now
-        self.tiers = TierKeeper(settings, self.pool, self.client, self.clock, self.metrics, wall,
-                                self.turns.chain_tokens)
-        self.prefills = BackgroundPrefill(settings, self.pool, self.client, self.metrics, wall)
-        self.proxy = Proxy(settings, self.pool, self.policy, self.sessions, self.metrics, self.client, self.clock,
-                           self.prompts, self.prefix, self.turns, self.tiers, self.prefills)
-        self.metrics.registry.register(PrefixCollector(self))
+                               settings.health_timeout_s, settings.hash_seed, settings.eject_after_failures)
+        self.policy: Policy = make_policy(settings.policy, PolicyParams(settings.affinity_epsilon, settings.cost))
+        # The cost model prices background prefills and tier loads whatever the routing policy; when it
+        # routes too, it is the same object, so PATCH /admin/policy changes both at once.
+        self.cost = self.policy if isinstance(self.policy, CostModel) else CostModel(settings.cost.model_copy())
+        self.policy_log = PolicyLog()
+        self.store, self.fleet = stores or make_stores(settings, self.clock)
+        self.prefix = PrefixKnowledge(self.pool.spec, self.pool.specs, settings.approx_ttl_s,
+                                      settings.inflight_ttl_s)
+        self.subscriber = KvEventSubscriber(self.prefix.events, settings.workers, self.client,
+                                            warm_start=settings.kv_events_warm_start)
+        # A worker that restarted (or is back after being out) is expected to hold nothing until its
+        # events are replayed again.
+        self.pool.on_restart(self.prefix.worker_restarted)
+        self.pool.on_restart(self.subscriber.request_resync)
+        tokenizers = {mod: ChatTokenizer(Path(d), settings.template_sandbox) for mod, d in settings.tokenizers.items()}
+        self.prompts = PromptBuilder(tokenizers, self.pool.specs, self._worker_tokenize,
+                                     settings.hostile.inline_prompt_chars)
+        self.prompt_limits = PromptLimits(settings.hostile, {m: t.max_token_chars for m, t in tokenizers.items()},
+                                          {m: t.max_model_len for m, t in tokenizers.items()})
+        self.turns = TurnService(settings.protocols, settings.reasoning_policy, settings.tenant_reasoning_policies,
+                                 self.prompts, Limits(max_bytes=settings.max_conversation_bytes))
+        self.tiers = TierView(settings, self.client, self.clock.now, wall, m)
+        actions = GatewayActions(settings, self.pool, self.tiers, self.turns, self.client, self.cost)
+        self.runtime = SessionRuntime(SessionController(ControllerParams(settings.prefill)),
+                                      Learned(settings.waits, settings.prefill), self.store, self.fleet, actions, m,
+                                      wall, tick_s=settings.timer_tick_s, lease_s=settings.timer_lease_s,
+                                      tracing=self.tracing)
+        self.policy_target = GatewayPolicy(self.cost, self.runtime)
+        self.recorder = recorder = Recorder(self.runtime, self.turns, self.tiers, m, self.policy.name)
+        self.requests = RequestLog(settings.request_log, settings.request_log_max_bytes, settings.request_log_backups,
+                                   bytes.fromhex(settings.request_log_key) if settings.request_log_key else None)
+        self.router = router = Router(self.pool, self.policy, self.prefix, self.tiers, self.clock, m)
+        self.upstream = make_upstream(settings.upstream_client, self.client, settings.upstream_connect_timeout_s,
+                                      settings.upstream_read_timeout_s)
+        # The endpoint picker (kvgate/epp) relays and records responses Envoy forwards with the same objects.
+        self.relay = Relay(self.pool, self.clock, m, recorder, self.policy.name, self.requests)
+        sender = Sender(settings, router, self.upstream, self.clock, m, self.relay)
+        self.proxy = Proxy(Preparer(settings, self.pool, self.turns, self.prompts, self.runtime, m, router.holder,
+                                    self.prompt_limits),
+                           sender, m, self.tracing, self.auth)
+        m.registry.register(PrefixCollector(
+            self.prefix.events.stats, {"precise": self.prefix.index, "approximate": self.prefix.approx.index},
+            lambda: self.prompts.parity_failures))
+        self.metrics.registry.register(PoolCollector(self.pool))
+        self.membership = None if settings.discovery is None else Membership(
+            self.pool, self.subscriber, self.prefix, make_source(settings.discovery),
+            settings.kv_events_sync_timeout_s, self.prompts.check_parity, settings.health_interval_s)
+        self.metrics.registry.register(SubscriberCollector(self.subscriber))
         self.draining = False
 
     async def _worker_tokenize(self, model: str, body: dict[str, Any]) -> list[int] | None:
@@ -112,20 +164,44 @@ class Gateway:
         return None
 
     async def start(self) -> None:
+        await self.auth.start()
         await self.pool.check_all()  # know who is healthy before the first request
+        await learn_context(self.prompt_limits, self.client, ((w.config.model, w.config.url) for w in self.pool.all()))
         await self.subscriber.start()
+        await self.subscriber.wait_synced(self.settings.kv_events_sync_timeout_s)
         for model in self.pool.models():
             await self.prompts.check_parity(model)
+        if self.membership is not None:
+            await self.membership.start(first_timeout_s=10.0)
         self.pool.start()
+        self.runtime.start()
+        self.requests.start(self.log_header())
+
+    def log_header(self) -> dict[str, Any]:
+        """What ``kvgate tune`` needs to replay this gateway's traffic: its settings and its workers."""
+        s = self.settings
+        return {"policy": s.policy, "cost": self.cost.params.model_dump(), "waits": s.waits.model_dump(),
+                "prefill": s.prefill.model_dump(), "reasoning_policy": s.reasoning_policy,
+                "cpu_tier_ttl_s": s.cpu_tier_ttl_s, "tiers": s.tier_redis_url is not None,
+                "workers": [{"id": w.id, "model": w.config.model, "engine": w.config.engine,
+                             "block_size": w.learned_block_size or w.config.block_size, "node": w.config.node,
+                             "kv_capacity_tokens": w.config.kv_capacity_tokens or w.kv_capacity,
+                             "kv_events": w.config.kv_events is not None} for w in self.pool.all()]}
 
     async def stop(self) -> None:
-        await self.prefills.aclose()
+        await self.auth.stop()
+        await self.runtime.aclose()
+        await asyncio.to_thread(self.requests.close)
         await self.tiers.aclose()
+        if self.membership is not None:
+            await self.membership.stop()
         await self.pool.stop()
         await self.subscriber.stop()
+        await self.upstream.aclose()
         await self.client.aclose()
-        if isinstance(self.sessions, RedisSessionStore):
-            await self.sessions.close()
+        await self.store.close()
+        await self.fleet.close()
+        self.tracing.shutdown()
 
     def refresh_gauges(self) -> None:
         for w in self.pool.all():
@@ -134,15 +210,19 @@ class Gateway:
 
 
 def create_app(settings: GatewaySettings, clock: Clock | None = None,
-               sessions: SessionStore | None = None) -> FastAPI:
-    gw = Gateway(settings, clock, sessions)
+               stores: tuple[ConversationStore, FleetStore] | None = None, tracing: Tracing | None = None) -> FastAPI:
+    gw = Gateway(settings, clock, stores, tracing)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await gw.start()
+        # gRPC (kvgate/grpc/server.py): the control API and the endpoint picker, each only when its port is set.
+        grpc_servers = await start_grpc(gw)
+        app.state.grpc = grpc_servers
         try:
             yield
         finally:
+            await grpc_servers.stop(settings.drain_timeout_s)
             await gw.stop()
 
     app = FastAPI(title="kvgate", lifespan=lifespan)
@@ -153,11 +233,25 @@ def create_app(settings: GatewaySettings, clock: Clock | None = None,
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(error_body(str(exc.detail), type_, None, exc.status_code), status_code=exc.status_code)
 
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        # Any route answers kvgate's own errors as such: the admin routes' 401/403 (kvgate/gateway/auth.py),
+        # their bodies' 400/413 (read_json).
+        return exc.response()
+
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
         param = ".".join(str(p) for p in err["loc"][1:]) or None
         return JSONResponse(error_body(str(err["msg"]), "invalid_request_error", param, None), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # Client input is answered before it gets here (prepare.py, proxy.py); what remains is kvgate's
+        # own failure, still in OpenAI's shape so clients parse it.
+        log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        return JSONResponse(error_body("Internal error in the gateway.", "internal_error", None, None),
+                            status_code=500)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -185,87 +279,10 @@ def create_app(settings: GatewaySettings, clock: Clock | None = None,
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        # Nothing here may cost more than the registry: no session store call (a Redis SCAN per scrape
+        # grew with the sessions); active conversations come from a fixed-size sketch kept on the way.
         gw.refresh_gauges()
-        try:
-            gw.metrics.sessions.set(await gw.sessions.count())
-        except SessionStoreError:
-            gw.metrics.session_store_errors.inc()
         return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/admin/policy")
-    async def get_policy() -> dict[str, Any]:
-        return {"policy": gw.policy.name, "cost": gw.cost.params.model_dump()}
-
-    @app.patch("/admin/policy")
-    async def patch_policy(request: Request) -> JSONResponse:
-        try:
-            changes = await request.json()
-        except json.JSONDecodeError:
-            return JSONResponse(error_body("body is not valid JSON", "invalid_request_error", None, "invalid_json"),
-                                status_code=400)
-        cost = changes.get("cost") if isinstance(changes, dict) else None
-        if not isinstance(cost, dict):
-            return JSONResponse(error_body("expected {\"cost\": {field: value}}", "invalid_request_error", "cost",
-                                           "invalid_type"), status_code=400)
-        try:
-            # Validate the whole new parameter set, then swap it in at once: no half-applied change.
-            new = CostParams.model_validate({**gw.cost.params.model_dump(), **cost})
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            return JSONResponse(error_body(f"cost.{'.'.join(str(x) for x in err['loc'])}: {err['msg']}",
-                                           "invalid_request_error", f"cost.{err['loc'][0]}", "invalid_value"),
-                                status_code=422)
-        gw.cost.params = new
-        log.info("cost model parameters changed: %s", cost)
-        return JSONResponse({"policy": gw.policy.name, "cost": new.model_dump()})
-
-    @app.get("/admin/tiers")
-    async def tiers() -> dict[str, Any]:
-        """Tool-wait predictions, reservations, tier adapters' state and background prefill counters."""
-        return {**gw.tiers.snapshot(), "prefill": gw.prefills.snapshot()}
-
-    @app.get("/admin/workers")
-    async def workers() -> dict[str, Any]:
-        return {"workers": [{"id": w.id, "url": w.config.url, "model": w.config.model, "engine": w.config.engine,
-                             "healthy": w.healthy, "in_flight": w.in_flight, "running": w.running,
-                             "waiting": w.waiting, "kv_usage": w.kv_usage, "reserved_tokens": w.reserved,
-                             "node": w.config.node, "last_error": w.last_error}
-                            for w in gw.pool.all()]}
-
-    @app.get("/admin/conversations/{cid}/next-prefix")
-    async def next_prefix(cid: str, request: Request) -> JSONResponse:
-        """The canonical prefix the conversation's next request will start with (for background prefill)."""
-        model = gw.turns.last_model(cid)
-        if model is None:
-            return JSONResponse(error_body(f"conversation `{cid}` has no completed turn", "not_found_error", "id",
-                                           None), status_code=404)
-        proto = gw.turns.protocol(model, "", request.query_params.get("reasoning_policy"))
-        tokens = gw.turns.next_turn_prefix(model, cid, proto)
-        if tokens is None:
-            return JSONResponse(error_body(f"model `{model}` has no local tokenizer", "invalid_request_error", None,
-                                           "no_local_tokenizer"), status_code=409)
-        return JSONResponse({"conversation_id": cid, "model": model, "policy": str(proto.policy),
-                             "tokens": len(tokens), "token_ids": tokens})
-
-    @app.get("/admin/conversations/{cid:path}")
-    async def conversation(cid: str) -> JSONResponse:
-        try:
-            s = await gw.sessions.peek(ConversationId(cid))
-        except SessionStoreError as exc:
-            return JSONResponse(error_body(str(exc), "service_unavailable", None, "session_store_unavailable"),
-                                status_code=503)
-        if s is None:
-            return JSONResponse(error_body(f"conversation `{cid}` not found", "not_found_error", "id", None),
-                                status_code=404)
-        return JSONResponse(json.loads(json.dumps({
-            "conversation_id": s.conversation_id, "id_source": s.id_source, "home_worker": s.home_worker,
-            "last_activity": s.last_activity,
-            "turn_count": s.turn_count, "lifecycle": s.lifecycle.to_json(),
-            "turns": [{"worker": t.worker, "reason": t.reason, "prompt_tokens": t.prompt_tokens,
-                       "expected_cached_tokens": t.expected_cached_tokens, "cached_tokens": t.cached_tokens,
-                       "completion_tokens": t.completion_tokens, "ttft_s": t.ttft_s,
-                       "lost_tokens": t.lost_tokens, "loss_cause": t.loss_cause, "loss_detail": t.loss_detail,
-                       "cache_lost_tokens": t.cache_lost_tokens, "cache_loss_cause": t.cache_loss_cause}
-                      for t in s.turns]})))
-
+    app.include_router(admin_routes(gw))
     return app

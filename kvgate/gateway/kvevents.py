@@ -1,22 +1,58 @@
-"""The ZMQ edge of KV events: one SUB socket per worker feeding ``router.kvevents.KvEventState``, and
-a DEALER to the worker's replay socket when a sequence gap shows that batches were lost."""
+"""The ZMQ edge of KV events: one SUB socket per worker feeding ``router.kvevents.KvEventState``, a
+DEALER to the worker's replay socket, and a socket monitor on the SUB socket.
+
+The monitor is what sees the event connection itself: ``EVENT_DISCONNECTED`` (the publisher's process
+died or the network dropped) marks the worker's index stale at once, and every ``EVENT_CONNECTED`` —
+the first one at subscribe, the next ones after a reconnect — starts the stream over from the
+publisher's buffer (a warm replay), so a gateway that starts, or a worker that restarts, is known
+again without waiting for new traffic. The health poll asks for the same resync when it sees a
+worker restart (``request_resync``).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+from collections.abc import Iterator
 from urllib.parse import urlparse
 
 import httpx
 import zmq
 import zmq.asyncio
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+from zmq.utils.monitor import parse_monitor_message
 
 from kvgate.config import WorkerConfig
 from kvgate.router.kvevents import KvEventState
 from kvgate.router.types import WorkerId
 
 log = logging.getLogger(__name__)
+
+_POLL_MS = 200
+"""How often a quiet stream looks for a resync the health poll asked for."""
+
+
+class SubscriberCollector(Collector):
+    """Event-stream figures beside ``telemetry.PrefixCollector``'s: resyncs, skipped copies, disconnects."""
+
+    def __init__(self, sub: KvEventSubscriber) -> None:
+        self._sub = sub
+
+    def collect(self) -> Iterator[Metric]:
+        st = self._sub.state.stats
+        for name, doc, value in (
+            ("kvgate_kv_event_resyncs", "Event streams started over from the publisher's buffer (subscribe, "
+             "reconnect, worker restart).", st.resyncs),
+            ("kvgate_kv_event_duplicates", "Live event batches skipped because a replay had applied them.",
+             st.duplicates),
+            ("kvgate_kv_event_disconnects", "KV event connections that dropped (the worker's index went stale).",
+             self._sub.disconnects),
+        ):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], value)
+            yield c
 
 
 def _connectable(endpoint: str, worker_url: str) -> str:
@@ -27,22 +63,35 @@ def _connectable(endpoint: str, worker_url: str) -> str:
 
 class KvEventSubscriber:
     def __init__(self, state: KvEventState, workers: list[WorkerConfig], client: httpx.AsyncClient,
-                 replay_timeout_s: float = 2.0) -> None:
+                 replay_timeout_s: float = 2.0, warm_start: bool = True) -> None:
         self.state = state
+        self.warm_start = warm_start
+        """Replay each publisher's buffer at subscribe (off: wait for the worker's next event, then replay
+        what its buffer holds — kvgate before warm starts, kept for the restart benchmark)."""
+        self._synced: dict[WorkerId, asyncio.Event] = {}
         self._workers = [w for w in workers if w.kv_events]
         self._client = client
         self._ctx = zmq.asyncio.Context()
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: dict[WorkerId, asyncio.Task[None]] = {}
         self._replay_timeout = replay_timeout_s
+        self._resync_wanted: set[WorkerId] = set()
         self.endpoints: dict[WorkerId, tuple[str, str | None]] = {}
+        self.disconnects = 0
 
     def covers(self, wid: WorkerId) -> bool:
         return wid in self.endpoints
+
+    def request_resync(self, wid: WorkerId) -> None:
+        """Start the worker's stream over at the next chance (its entries are dropped, then replayed)."""
+        if wid in self._tasks:
+            self._resync_wanted.add(wid)
 
     async def _resolve(self, w: WorkerConfig) -> tuple[str, str | None] | None:
         if w.kv_events != "auto":
             assert w.kv_events is not None
             return w.kv_events, w.kv_replay
+        if w.engine == "sglang":
+            return await self._sglang_endpoints(w)
         try:
             r = await self._client.get(f"{w.url}/kv_event_sources", timeout=5.0)
             data = r.json()
@@ -57,41 +106,126 @@ class KvEventSubscriber:
         replay = cfg.get("replay_endpoint")
         return _connectable(cfg["endpoint"], w.url), _connectable(replay, w.url) if replay else None
 
+    async def _sglang_endpoints(self, w: WorkerConfig) -> tuple[str, str | None] | None:
+        """SGLang describes its publisher in ``/server_info`` → ``kv_events``: ports counted from a base per
+        data-parallel rank (kvgate follows rank 0), on the worker's host unless it names one."""
+        try:
+            r = await self._client.get(f"{w.url}/server_info", timeout=5.0)
+            kv = r.json().get("kv_events") if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            log.warning("worker %s: no /server_info (%r); routing it in approximate mode", w.id, exc)
+            return None
+        if not isinstance(kv, dict) or not isinstance(kv.get("endpoint_port_base"), int):
+            log.warning("worker %s publishes no KV events; approximate mode", w.id)
+            return None
+        host = kv.get("endpoint_host") or "*"
+        replay = kv.get("replay_endpoint_port_base")
+        return (_connectable(f"tcp://{host}:{kv['endpoint_port_base']}", w.url),
+                _connectable(f"tcp://{host}:{replay}", w.url) if isinstance(replay, int) else None)
+
     async def start(self) -> None:
         for w in self._workers:
-            ep = await self._resolve(w)
-            if ep is None:
-                continue
-            wid = WorkerId(w.id)
-            self.endpoints[wid] = ep
-            self.state.add_worker(wid)
-            self._tasks.append(asyncio.get_running_loop().create_task(self._run(wid, *ep), name=f"kv-{wid}"))
+            await self.subscribe(w)
+
+    async def subscribe(self, w: WorkerConfig) -> bool:
+        """Follow the worker's events (True), or leave it to approximate mode (False)."""
+        if not w.kv_events:
+            return False
+        ep = await self._resolve(w)
+        if ep is None:
+            return False
+        wid = WorkerId(w.id)
+        self.endpoints[wid] = ep
+        self.state.add_worker(wid)
+        self._synced[wid] = asyncio.Event()
+        self._tasks[wid] = asyncio.get_running_loop().create_task(self._run(wid, *ep), name=f"kv-{wid}")
+        return True
+
+    async def wait_synced(self, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s``) until every subscribed worker's first replay is done, so a gateway
+        that starts routes its first requests knowing the workers' caches. False on timeout."""
+        pending = [e.wait() for e in self._synced.values() if not e.is_set()]
+        if not pending:
+            return True
+        try:
+            await asyncio.wait_for(asyncio.gather(*pending), timeout_s)
+            return True
+        except TimeoutError:
+            log.warning("KV event streams not all replayed after %.1fs; routing starts anyway", timeout_s)
+            return False
+
+    async def unsubscribe(self, wid: WorkerId) -> None:
+        self._synced.pop(wid, None)
+        task = self._tasks.pop(wid, None)
+        self.endpoints.pop(wid, None)
+        self._resync_wanted.discard(wid)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self.state.remove_worker(wid)
 
     async def _run(self, wid: WorkerId, endpoint: str, replay: str | None) -> None:
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
+        mon = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sock.connect(endpoint)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
+        poller = zmq.asyncio.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(mon, zmq.POLLIN)
         try:
             while True:
-                frames = await sock.recv_multipart()
-                if len(frames) < 3 or len(frames[-2]) != 8:
-                    self.state.stats.malformed += 1
+                ready = dict(await poller.poll(_POLL_MS))
+                resync = False
+                if mon in ready:
+                    resync = self._on_monitor(wid, await mon.recv_multipart())
+                if resync or wid in self._resync_wanted:
+                    self._resync_wanted.discard(wid)
+                    start = self.state.resync(wid)
+                    if start is not None:
+                        await self._replay(wid, replay, start)
+                    self._synced[wid].set()
                     continue
-                seq = int.from_bytes(frames[-2], "big", signed=True)
-                try:
-                    gap_from = self.state.on_message(wid, seq, frames[-1])
-                    if gap_from is not None:
-                        await self._replay(wid, replay, gap_from)
-                except Exception:  # one bad batch must not stop this worker's stream for good
-                    log.exception("worker %s: KV event handling failed; dropping its index", wid)
-                    self.state.on_replay_failed(wid)
+                if sock in ready:
+                    await self._on_frames(wid, replay, await sock.recv_multipart())
         finally:
+            sock.disable_monitor()
+            mon.close(0)
             sock.close(0)
+
+    def _on_monitor(self, wid: WorkerId, frames: list[bytes]) -> bool:
+        """A connection event; True when the stream must start over."""
+        event = parse_monitor_message(frames)["event"]
+        if event == zmq.EVENT_DISCONNECTED:
+            log.warning("worker %s: KV event connection lost; its index is stale until it is back", wid)
+            self.disconnects += 1
+            self.state.mark_stale(wid)
+            return False
+        if event != zmq.EVENT_CONNECTED:
+            return False
+        if not self.warm_start and not self._synced[wid].is_set():
+            self._synced[wid].set()
+            return False
+        return True
+
+    async def _on_frames(self, wid: WorkerId, replay: str | None, frames: list[bytes]) -> None:
+        if len(frames) < 3 or len(frames[-2]) != 8:
+            self.state.stats.malformed += 1
+            return
+        seq = int.from_bytes(frames[-2], "big", signed=True)
+        try:
+            gap_from = self.state.on_message(wid, seq, frames[-1])
+            if gap_from is not None:
+                await self._replay(wid, replay, gap_from)
+        except Exception:  # one bad batch must not stop this worker's stream for good
+            log.exception("worker %s: KV event handling failed; dropping its index", wid)
+            self.state.on_replay_failed(wid)
 
     async def _replay(self, wid: WorkerId, endpoint: str | None, start: int) -> None:
         if endpoint is None:
-            log.warning("worker %s: KV event gap at seq %d and no replay endpoint: dropping its index", wid, start)
+            log.warning("worker %s: KV events from seq %d are missing and there is no replay endpoint: "
+                        "dropping its index", wid, start)
             self.state.on_replay_failed(wid)
             return
         sock = self._ctx.socket(zmq.DEALER)
@@ -119,9 +253,9 @@ class KvEventSubscriber:
             sock.close(0)
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
+        for wid in list(self._tasks):
+            task = self._tasks.pop(wid)
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+                await task
         self._ctx.term()

@@ -1,41 +1,129 @@
 """What kvgate knows of every worker's cache: the KV-event-fed index for workers that publish events,
-the approximate index (what kvgate routed there, with a TTL) for the others."""
+the approximate index (what kvgate routed there, with a TTL) for the others.
+
+Each worker is matched with the prompt's hashes for its own hash identity (``HashSpec``: block size,
+algorithm, seed). Matches are returned in blocks of the fleet's common unit (the gcd of its block sizes,
+which is the block size itself in a fleet configured alike), each capped at what that worker's engine
+can reuse (whole blocks below the prompt's last token), so one ``block_size`` serves the whole decision.
+
+Prompts in flight count too: a request dispatched to a worker that publishes events is assumed cached
+there (a speculative entry, as Dynamo's router does) until its blocks arrive by events, nothing kvgate
+sent there is in flight any more, or ``inflight_ttl_s`` passes — so concurrent first turns sharing a
+system prompt see each other instead of all expecting a cold worker.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 
-from kvgate.config import WorkerConfig
+from kvgate.gateway.prompts import Prompt
 from kvgate.router.approx import ApproxIndex
+from kvgate.router.hashing import HashSpec
 from kvgate.router.index import PrefixIndex
 from kvgate.router.kvevents import KvEventState
-from kvgate.router.types import WorkerId
+from kvgate.router.types import WorkerId, WorkerView
+
+SpecOf = Callable[[WorkerId], HashSpec | None]
+SpecsOf = Callable[[str], Sequence[HashSpec]]
 
 
 class PrefixKnowledge:
-    def __init__(self, workers: Sequence[WorkerConfig], approx_ttl_s: float) -> None:
+    def __init__(self, spec_of: SpecOf, specs_of: SpecsOf, approx_ttl_s: float, inflight_ttl_s: float = 30.0
+                 ) -> None:
         self.index = PrefixIndex()
-        self.events = KvEventState(self.index)
+        self.events = KvEventState(self.index, on_stored=self._arrived)
         self.approx = ApproxIndex(approx_ttl_s)
-        self._block_size = {w.model: w.block_size for w in workers}
+        self.inflight = ApproxIndex(inflight_ttl_s)
+        self._spec_of = spec_of
+        self._specs_of = specs_of
+        self._approx_spec: dict[WorkerId, HashSpec] = {}
 
     def block_size(self, model: str) -> int:
-        return self._block_size.get(model, 16)
+        """The unit ``match`` counts in: the gcd of the model's workers' block sizes."""
+        return math.gcd(*(s.block_size for s in self._specs_of(model))) or 16
 
     def precise(self, wid: WorkerId) -> bool:
         return self.events.follows(wid)
 
-    def match(self, model: str, hashes: Sequence[int], workers: Sequence[WorkerId], now: float
-              ) -> dict[WorkerId, int]:
-        if not hashes:
+    def match(self, model: str, prompt: Prompt, workers: Sequence[WorkerView], now: float) -> dict[WorkerId, int]:
+        """Longest cached prefix of ``prompt`` per worker, in blocks of ``block_size(model)``."""
+        if not prompt.hashes:
             return {}
-        precise = [w for w in workers if self.precise(w)]
-        out = self.index.match(hashes, workers=precise) if precise else {}
-        rest = [w for w in workers if not self.precise(w)]
-        if rest:
-            out.update(self.approx.match(hashes, now, rest))
+        unit = self.block_size(model)
+        self.approx.expire(now)
+        self.inflight.expire(now)
+        out: dict[WorkerId, int] = {}
+        for w in workers:
+            spec = self._spec_of(w.id)
+            hashes = prompt.hashes.get(spec) if spec is not None else None
+            if spec is None or not hashes:
+                continue
+            depth = self._precise_depth(w, hashes) if self.precise(w.id) else self._approx_depth(w.id, spec, hashes)
+            tokens = min(depth * spec.block_size, (prompt.length - 1) // spec.block_size * spec.block_size)
+            if tokens >= unit:
+                out[w.id] = tokens // unit
         return out
 
-    def routed(self, model: str, wid: WorkerId, hashes: Sequence[int], now: float) -> None:
-        if not self.precise(wid):
-            self.approx.record(wid, hashes, now)
+    def _precise_depth(self, w: WorkerView, hashes: Sequence[int]) -> int:
+        if self.events.stale(w.id):
+            return 0
+        depth = self.index.match(hashes, workers=(w.id,)).get(w.id, 0)
+        if w.in_flight == 0 and self.inflight.holds(w.id):
+            self.inflight.drop_worker(w.id)  # every request kvgate sent there has ended
+        elif depth < len(hashes):
+            depth = max(depth, self.inflight.index.match(hashes, workers=(w.id,)).get(w.id, 0))
+        return depth
+
+    def _approx_depth(self, wid: WorkerId, spec: HashSpec, hashes: Sequence[int]) -> int:
+        self._check_spec(wid, spec)
+        return self.approx.index.match(hashes, workers=(wid,)).get(wid, 0)
+
+    def _check_spec(self, wid: WorkerId, spec: HashSpec) -> None:
+        if self._approx_spec.get(wid, spec) != spec:
+            # The worker's hashing changed (learned from it): what was recorded is in the old hashes.
+            self.approx.drop_worker(wid)
+        self._approx_spec[wid] = spec
+
+    def _arrived(self, wid: WorkerId, hashes: tuple[int, ...]) -> None:
+        self.inflight.forget(wid, hashes)
+
+    def worker_restarted(self, wid: WorkerId) -> None:
+        """The worker restarted or came back after being out: its cache may be empty, so nothing kvgate
+        believed it held is expected there until its events say so again (the subscriber resyncs them)."""
+        self.events.mark_stale(wid)
+        self.index.clear(wid)
+        self.approx.drop_worker(wid)
+        self.inflight.drop_worker(wid)
+
+    def worker_left(self, wid: WorkerId) -> None:
+        """The worker is gone from the fleet: nothing is kept of it."""
+        self.events.remove_worker(wid)
+        self.approx.drop_worker(wid)
+        self.inflight.drop_worker(wid)
+        self._approx_spec.pop(wid, None)
+
+    def holds(self, wid: WorkerId, block: int) -> bool:
+        """Whether kvgate believes ``wid`` holds ``block`` (by its events, in flight there, or routed there)."""
+        if self.precise(wid):
+            return not self.events.stale(wid) and (self.index.holds(wid, block)
+                                                   or self.inflight.index.holds(wid, block))
+        return self.approx.index.holds(wid, block)
+
+    def _hashes(self, wid: WorkerId, prompt: Prompt) -> tuple[HashSpec, tuple[int, ...]] | None:
+        spec = self._spec_of(wid)
+        hashes = prompt.hashes.get(spec) if spec is not None else None
+        return (spec, hashes) if spec is not None and hashes else None
+
+    def dispatched(self, model: str, wid: WorkerId, prompt: Prompt, now: float) -> None:
+        """A request is being sent to ``wid``: its prompt counts there while it is in flight."""
+        got = self._hashes(wid, prompt)
+        if got is not None and self.precise(wid):
+            self.inflight.record(wid, got[1], now)
+
+    def routed(self, model: str, wid: WorkerId, prompt: Prompt, now: float) -> None:
+        """The worker accepted the request: without events, what kvgate routed is all it knows."""
+        got = self._hashes(wid, prompt)
+        if got is not None and not self.precise(wid):
+            self._check_spec(wid, got[0])
+            self.approx.record(wid, got[1], now)

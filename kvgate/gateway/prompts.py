@@ -5,22 +5,30 @@ it), or — for a model without one, or whose local tokenizer failed the parity 
 ``/tokenize``. If neither works the request is still served: routing falls back to an estimated
 length and no prefix information (never a rejection for kvgate's own reasons).
 
-Hashing is incremental per conversation: the previous prompt's tokens and hashes are kept, the new
-prompt is compared with them, and only blocks past the first difference are hashed, so a long
-history costs no more per turn than a short one.
+Both are incremental per conversation, against the conversation's chain (its last completed turn as
+the worker cached it, kept in its record): the new prompt is tokenized only from the last special
+token before its first changed character, and only blocks past the first differing token are hashed,
+so a long history costs no more per turn than a short one; a long text without a chain is tokenized
+beside the event loop, and only as far as some worker holds its blocks (``chaintok.py``): routing
+needs no more. The builder itself keeps no per-conversation
+state: the chain comes in with the request and a new one goes out with the completed turn. Workers of
+one model need not hash alike (block size, algorithm, seed): a prompt is hashed once per distinct
+``HashSpec`` among its model's workers.
 """
 
 from __future__ import annotations
 
 import asyncio
-import bisect
 import logging
-from collections import OrderedDict
+from array import array
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kvgate.router.hashing import BlockHash, VllmHasher, event_int
+from kvgate.gateway.chaintok import ChainTokenizer
+from kvgate.gateway.inputlimits import text_chars
+from kvgate.router.hashing import BlockHash, BlockHasher, HashSpec, make_hasher
+from kvgate.session.conversation import Chain
 from kvgate.tokens.template import TemplateError
 from kvgate.tokens.tokenizer import ChatTokenizer
 
@@ -29,6 +37,10 @@ log = logging.getLogger(__name__)
 Source = Literal["local", "worker", "estimate"]
 WorkerTokenize = Callable[[str, dict[str, Any]], Awaitable[list[int] | None]]
 """(model, /tokenize body) -> token ids, or None when no worker could tokenize."""
+SpecsOf = Callable[[str], Sequence[HashSpec]]
+"""The distinct hash identities of a model's workers (each prompt is hashed once per identity)."""
+Held = Callable[[HashSpec, int], bool]
+"""Whether some worker of this hash identity holds the block with this id (its cache or in flight)."""
 
 PROBE: list[dict[str, Any]] = [
     {"role": "system", "content": "You are a careful assistant. Ünïcode ✓"},
@@ -45,12 +57,19 @@ PROBE_TOOLS: list[dict[str, Any]] = [{"type": "function", "function": {"name": "
 @dataclass(frozen=True, slots=True)
 class Prompt:
     length: int
-    hashes: tuple[int, ...]
-    """Event-form (64-bit) hashes of the prompt's full blocks; empty when the tokens are unknown."""
+    """Tokens of the prompt (when ``complete`` is False, the tokens so far plus an estimate of the rest)."""
+    hashes: Mapping[HashSpec, tuple[int, ...]]
+    """Per hash identity, the event-form (64-bit) hashes of the prompt's full blocks (as far as it was
+    tokenized); empty when the tokens are unknown."""
     source: Source
     reused_blocks: int = 0
-    tokens: tuple[int, ...] | None = None
-    """Blocks whose hashes came from the conversation's previous prompt (not recomputed)."""
+    """Blocks whose hashes came from the conversation's chain (not recomputed), summed over identities."""
+    tokens: array[int] | None = None
+    chain: Chain | None = None
+    """The prompt as a chain (rendered text, tokens, anchors, hashes) when it was rendered locally: the
+    completed turn's chain is tokenized incrementally from it."""
+    complete: bool = True
+    """False when tokenization stopped where no worker holds the blocks: ``tokens`` is a prefix."""
 
 
 def tokenize_body(endpoint: str, body: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -67,42 +86,44 @@ def tokenize_body(endpoint: str, body: Mapping[str, Any]) -> dict[str, Any] | No
 
 
 @dataclass(slots=True)
-class _Chain:
-    """What kvgate keeps of a conversation's last prompt, so the next one is tokenized and hashed only
-    from where it differs. One record per conversation, one LRU bound."""
-
-    tokens: list[int]
-    hashes: list[BlockHash]
-    ints: list[int]
-    """The hashes in event form, so a turn converts only its new blocks."""
-    salt: str | None = None
-    text: str | None = None
-    """The rendered chat the tokens came from (None when they did not come from local rendering)."""
-    ends: list[int] | None = None
-    """Character offset in ``text`` where each token ends."""
-
-
-@dataclass(slots=True)
 class _Tokens:
-    tokens: list[int] | None
+    tokens: array[int] | None
     source: Source
-    same_prefix: int | None = None
-    """Leading tokens proven equal to the conversation's previous prompt (saves a compare)."""
-    text: str | None = None
-    ends: list[int] | None = None
+    chain: Chain | None = None
+    complete: bool = True
+    rest_chars: int = 0
+    """Characters of the rendered text not tokenized (``complete`` False)."""
 
 
 class PromptBuilder:
-    def __init__(self, tokenizers: Mapping[str, ChatTokenizer], hashers: Mapping[str, VllmHasher],
-                 worker_tokenize: WorkerTokenize, max_conversations: int = 10_000) -> None:
+    def __init__(self, tokenizers: Mapping[str, ChatTokenizer], specs: SpecsOf,
+                 worker_tokenize: WorkerTokenize, inline_chars: int = 16_384) -> None:
         self._tok = dict(tokenizers)
-        self._hashers = dict(hashers)
+        self._inline_chars = inline_chars
+        self._chains = {m: ChainTokenizer(t) for m, t in self._tok.items()}
+        self._specs = specs
+        self._hashers: dict[HashSpec, BlockHasher | None] = {}
         self._worker_tokenize = worker_tokenize
-        self._max = max_conversations
-        self._chains: OrderedDict[str, _Chain] = OrderedDict()
-        self.retokenized_chars = 0
-        self.mode: dict[str, Source] = {m: ("local" if m in self._tok else "worker") for m in self._hashers}
+        self.mode: dict[str, Source] = {m: "local" for m in self._tok}
+        """Models tokenized locally; any other model (or one that failed the parity probe) by a worker."""
         self.parity_failures: dict[str, int] = {}
+
+    @property
+    def retokenized_chars(self) -> int:
+        return sum(c.retokenized_chars for c in self._chains.values())
+
+    def block_size(self, model: str) -> int:
+        """The block size losses are counted in: the smallest of the model's workers'."""
+        return min((s.block_size for s in self._specs(model)), default=16)
+
+    def _hasher(self, spec: HashSpec) -> BlockHasher | None:
+        if spec not in self._hashers:
+            try:
+                self._hashers[spec] = make_hasher(spec)
+            except ValueError as exc:  # the worker hashes in a way kvgate cannot: no prefix knowledge
+                log.error("cannot hash for %s: %s", spec, exc)
+                self._hashers[spec] = None
+        return self._hashers[spec]
 
     # -- start-up and worker joins -------------------------------------------------------------------
     async def check_parity(self, model: str) -> bool | None:
@@ -131,85 +152,95 @@ class PromptBuilder:
         return False
 
     # -- per request -------------------------------------------------------------------------------
-    async def prepare(self, model: str, endpoint: str, body: Mapping[str, Any], conversation: str) -> Prompt:
-        prev = self._chains.get(conversation)
-        got = await self._tokens(model, endpoint, body, prev)
-        hasher = self._hashers.get(model)
-        if got.tokens is None or hasher is None:
-            return Prompt(_estimate(body), (), "estimate")
+    async def prepare(self, model: str, endpoint: str, body: Mapping[str, Any], chain: Chain | None,
+                      held: Held | None = None) -> Prompt:
+        """The request's prompt, tokenized and hashed incrementally against the conversation's ``chain``.
+        ``held``: when given, a long text is tokenized only as far as some worker holds its blocks."""
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-        chain, reused = self._extend(prev, got.tokens, hasher, salt, got.same_prefix)
-        chain.text, chain.ends = got.text, got.ends
-        self._remember(conversation, chain)
-        return Prompt(len(got.tokens), tuple(chain.ints), got.source, reused, tuple(got.tokens))
+        got = await self._tokens(model, endpoint, body, chain, self._stop(model, salt, held) if held else None)
+        if got.tokens is None:
+            return Prompt(_estimate(body), {}, "estimate")
+        work = got.chain or Chain("", got.tokens, array("I"), array("I"))
+        out: dict[HashSpec, tuple[int, ...]] = {}
+        reused = 0
+        for spec in self._specs(model):
+            ints, kept = self._hash(spec, salt, work)
+            if ints is not None:
+                out[spec] = tuple(ints)
+                reused += kept
+        length = len(got.tokens)
+        if not got.complete and got.rest_chars:
+            # The rest at the rate of what was tokenized: load estimates only, the cache match is exact.
+            length += round(got.rest_chars * len(got.tokens) / max(1, len(work.text)))
+        return Prompt(length, out, got.source, reused, got.tokens, got.chain, got.complete)
 
-    async def _tokens(self, model: str, endpoint: str, body: Mapping[str, Any], prev: _Chain | None) -> _Tokens:
+    def _hash(self, spec: HashSpec, salt: str | None, chain: Chain) -> tuple[list[int] | None, int]:
+        """The event ids of ``chain``'s full blocks for ``spec``, extending what the chain already holds
+        (its hashes are kept in it: the turn's chain and the next request reuse them)."""
+        hasher = self._hasher(spec)
+        if hasher is None:
+            return None, 0
+        bs = hasher.block_size
+        key = (spec, salt)
+        cached = chain.hashes.get(key)
+        n_blocks = len(chain.tokens) // bs
+        if cached is not None and len(cached[1]) == n_blocks:
+            return cached[2], n_blocks  # nothing new (a chain whose hashes were taken whole)
+        keep = min(len(cached[1]), n_blocks) if cached is not None else 0
+        digests: list[bytes] = cached[1][:keep] if cached is not None else []
+        new = hasher.block_hashes(chain.tokens[keep * bs: n_blocks * bs],
+                                  parent=BlockHash(digests[-1]) if digests else None, cache_salt=salt,
+                                  start_block=keep)
+        ints = (cached[2][:keep] if cached is not None else []) + hasher.event_ints(new, cache_salt=salt)
+        digests.extend(new)
+        chain.hashes[key] = (bs, digests, ints)
+        return ints, keep
+
+    def _stop(self, model: str, salt: str | None, held: Held) -> Callable[[Chain], bool]:
+        """Stop tokenizing once no worker of any identity holds the last full block so far: hashes are
+        chained, so nothing beyond it can be held either and the prefix match is already known."""
+        def stop(chain: Chain) -> bool:
+            for spec in self._specs(model):
+                ints, _ = self._hash(spec, salt, chain)
+                if ints and held(spec, ints[-1]):
+                    return False
+            return True
+
+        return stop
+
+    async def _tokens(self, model: str, endpoint: str, body: Mapping[str, Any], chain: Chain | None,
+                      stop: Callable[[Chain], bool] | None) -> _Tokens:
         if endpoint == "completions" and isinstance(body.get("prompt"), list) and body["prompt"] \
                 and all(isinstance(t, int) for t in body["prompt"]):
-            return _Tokens(list(body["prompt"]), "local")
+            return _Tokens(array("I", body["prompt"]), "local")
         tok = self._tok.get(model)
         if tok is not None and self.mode.get(model) == "local":
             try:
                 if endpoint == "chat":
                     kwargs = body.get("chat_template_kwargs")
-                    text = tok.render_chat(body["messages"], body.get("tools"), True,
-                                           kwargs if isinstance(kwargs, dict) else None)
-                    tokens, same, ends = self._encode_incremental(tok, prev, text)
-                    return _Tokens(tokens, "local", same, text, ends)
+                    args = (body["messages"], body.get("tools"), True, kwargs if isinstance(kwargs, dict) else None)
+                    # Rendering a long conversation (Jinja over every message) takes as long as
+                    # tokenizing it: beside the event loop, like the tokenizing.
+                    text = tok.render_chat(*args) if _render_size(body) <= self._inline_chars \
+                        else await asyncio.to_thread(tok.render_chat, *args)
+                    new, _, complete = await self._chains[model].chain(chain, text, stop)
+                    return _Tokens(new.tokens, "local", new, complete, len(text) - len(new.text))
                 if isinstance(body.get("prompt"), str):
                     prompt = body["prompt"]
-                    if len(prompt) > 4096:
+                    if len(prompt) > self._inline_chars:
                         # tokenizers releases the GIL: a long prompt is encoded beside the event loop.
-                        return _Tokens(await asyncio.to_thread(tok.encode, prompt, True), "local")
-                    return _Tokens(tok.encode(prompt, add_special_tokens=True), "local")
+                        return _Tokens(array("I", await asyncio.to_thread(tok.encode, prompt, True)), "local")
+                    return _Tokens(array("I", tok.encode(prompt, add_special_tokens=True)), "local")
             except (TemplateError, TypeError, ValueError, KeyError) as exc:
                 log.info("local tokenization failed (%s); asking a worker", exc)
         req = tokenize_body(endpoint, body)
         if req is None:
             return _Tokens(None, "estimate")
         got = await self._worker_tokenize(model, req)
-        return _Tokens(got, "worker") if got is not None else _Tokens(None, "estimate")
+        return _Tokens(array("I", got), "worker") if got is not None else _Tokens(None, "estimate")
 
-    def _encode_incremental(self, tok: ChatTokenizer, prev: _Chain | None, text: str
-                            ) -> tuple[list[int], int | None, list[int]]:
-        """Tokenize ``text``, re-using the previous prompt's tokens up to the last special token before
-        the first changed character: a turn costs its new text, not its whole history.
-        Returns (tokens, how many leading tokens were re-used or None, token end offsets)."""
-        if prev is not None and prev.text is not None and prev.ends is not None:
-            split = tok.last_safe_split(text, common_prefix(prev.text, text))
-            k = bisect.bisect_right(prev.ends, split)
-            if split > 0 and k > 0 and prev.ends[k - 1] == split:
-                ids, ends = tok.encode_with_ends(text[split:])
-                self.retokenized_chars += len(text) - split
-                return prev.tokens[:k] + ids, k, prev.ends[:k] + [split + e for e in ends]
-        tokens, ends = tok.encode_with_ends(text)
-        self.retokenized_chars += len(text)
-        return tokens, None, ends
-
-    def _extend(self, prev: _Chain | None, tokens: list[int], hasher: VllmHasher, salt: str | None,
-                same_prefix: int | None) -> tuple[_Chain, int]:
-        """The new prompt's chain, hashing only blocks past its common prefix with the previous one."""
-        bs = hasher.block_size
-        n_blocks = len(tokens) // bs
-        keep = 0
-        if prev is not None and prev.salt == salt and prev.hashes:
-            common = same_prefix if same_prefix is not None else common_prefix(prev.tokens, tokens)
-            keep = min(common // bs, len(prev.hashes), n_blocks)
-        base = prev.hashes[:keep] if prev is not None and keep else []
-        new = hasher.block_hashes(tokens[keep * bs : n_blocks * bs], parent=base[-1] if base else None,
-                                  cache_salt=salt, start_block=keep)
-        ints = (prev.ints[:keep] if prev is not None and keep else []) + [event_int(h) for h in new]
-        return _Chain(tokens, base + new, ints, salt), keep
-
-    def _remember(self, key: str, chain: _Chain) -> None:
-        if not self._max:
-            return
-        self._chains[key] = chain
-        self._chains.move_to_end(key)
-        while len(self._chains) > self._max:
-            self._chains.popitem(last=False)
-
-    def _render_history(self, model: str, messages: list[dict[str, Any]], tools: Any
+    # -- the completed turn ------------------------------------------------------------------------
+    def _render_history(self, model: str, messages: Sequence[Mapping[str, Any]], tools: Any
                         ) -> tuple[ChatTokenizer, str] | None:
         """``messages`` rendered as history (no generation prompt) with the local tokenizer, if any."""
         tok = self._tok.get(model)
@@ -220,18 +251,17 @@ class PromptBuilder:
         except (TemplateError, TypeError, ValueError, KeyError):
             return None
 
-    def render_tokens(self, model: str, messages: list[dict[str, Any]], tools: Any, key: str) -> list[int] | None:
-        """Tokens of ``messages`` rendered as history, incrementally under ``key``; None without a local
-        tokenizer. The trailing newline the template writes after the last message is not something the
-        engine generated, so it is left out."""
+    def chain_for(self, model: str, messages: Sequence[Mapping[str, Any]], tools: Any, prev: Chain | None
+                  ) -> Chain | None:
+        """The chain of a completed turn (``messages`` ending with the reply), tokenized incrementally
+        from ``prev`` (the prompt just sent; its block hashes carry over for the blocks they share) on the
+        calling thread; None without a local tokenizer. The trailing newline the template writes after
+        the last message is not something the engine generated: left out."""
         rendered = self._render_history(model, messages, tools)
         if rendered is None:
             return None
-        tok, text = rendered
-        text = text.rstrip("\n")
-        tokens, _, ends = self._encode_incremental(tok, self._chains.get(key), text)
-        self._remember(key, _Chain(tokens, [], [], None, text, ends))
-        return tokens
+        chain, _ = self._chains[model].chain_sync(prev, rendered[1].rstrip("\n"))
+        return chain
 
     def truncate_tokens(self, model: str, text: str, n: int) -> str | None:
         """``text`` cut to its first ``n`` tokens of ``model``; None without a local tokenizer."""
@@ -241,7 +271,8 @@ class PromptBuilder:
         ids = tok.encode(text)
         return text if len(ids) <= n else tok.decode(ids[:n])
 
-    def render_prefix(self, model: str, messages: list[dict[str, Any]], tools: Any, marker: str) -> list[int] | None:
+    def render_prefix(self, model: str, messages: Sequence[Mapping[str, Any]], tools: Any, marker: str
+                      ) -> list[int] | None:
         """Tokens of the rendered ``messages`` up to the special token that opens the message holding
         ``marker`` (a placeholder): the prefix any next message will share."""
         rendered = self._render_history(model, messages, tools)
@@ -252,23 +283,10 @@ class PromptBuilder:
         return None if cut < 0 else tok.encode(text[: tok.last_safe_split(text, cut)])
 
 
-def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
-    """Length of the common prefix, by bisection on C-speed slice compares (no per-token Python loop).
-
-    Slices only compare equal between sequences of the same type (a list never equals a tuple), so
-    token sequences are compared as lists."""
-    if type(a) is not type(b) and not (isinstance(a, str) and isinstance(b, str)):
-        a, b = list(a), list(b)
-    lo, hi = 0, min(len(a), len(b))
-    if a[:hi] == b[:hi]:  # the common case: the new prompt extends the old one
-        return hi
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+def _render_size(body: Mapping[str, Any]) -> int:
+    """Roughly the characters a chat renders to: its text and the template's markup around each message."""
+    msgs = body.get("messages")
+    return text_chars("chat", body) + 32 * (len(msgs) if isinstance(msgs, list) else 0)
 
 
 def _estimate(body: Mapping[str, Any]) -> int:

@@ -1,18 +1,28 @@
-"""The gateway's side of turn-scoped reasoning: which protocol and policy apply to a request, the
-canonical history it forwards, the exact replies it keeps, and the explanation of every lost prefix."""
+"""The gateway's side of turn-scoped reasoning, over a conversation's record: which protocol and policy
+apply to a request, the canonical history it forwards, stateful continuations, the explanation of every
+lost prefix token, the completed turn's new record, and the next turn's canonical prefix.
+
+Stateless: everything per conversation lives in its record (``session/conversation.py``), so any
+gateway replica continues any conversation.
+"""
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvgate.errors import BadRequest
-from kvgate.gateway.history import Canonical, ExactStore, Message, canonicalize, reserialization
-from kvgate.gateway.loss import PromptLoss, explain_prompt
-from kvgate.gateway.prompts import PromptBuilder
-from kvgate.gateway.protocols import PROFILES, ModelProtocol, ReasoningPolicy, get_protocol
+from kvgate.gateway.prompts import Prompt, PromptBuilder
+from kvgate.history.canonical import Canonical, Message, canonicalize
+from kvgate.history.continuation import UnknownResponse, continue_from
+from kvgate.history.loss import PromptLoss, explain_prompt
+from kvgate.history.protocols import PROFILES, ModelProtocol, ReasoningPolicy, get_protocol
+from kvgate.session.conversation import Chain, Conversation, Limits
+from kvgate.tokens.spans import anchored_token_starts
+
+NEXT_TURN = "\x00kvgate-next-turn\x00"
+"""The placeholder user message the next-turn prefix is cut before."""
 
 
 @dataclass
@@ -51,42 +61,18 @@ class Reply:
             msg["tool_calls"] = [self.calls[i] for i in sorted(self.calls)]
         return msg
 
-
-@dataclass
-class _Last:
-    messages: list[Message]
-    reply: Message
-    response_id: str | None = None
-    tools: Any = None
-    model: str = ""
-    chain: list[int] | None = None
-    """Tokens of the history plus reply, as the engine cached them (local tokenizer only)."""
+    def tool_names(self) -> tuple[str, ...]:
+        return tuple(str((c.get("function") or {}).get("name") or "") for c in self.calls.values())
 
 
-class UnknownResponse(LookupError):
-    """A stateful continuation names a response kvgate does not hold (expired or never seen)."""
-
-
-class HistoryConflict(ValueError):
-    """A stateful continuation's history disagrees with the stored one at ``index``."""
-
-    def __init__(self, index: int) -> None:
-        super().__init__(f"history differs from the stored conversation at message {index}")
-        self.index = index
-
-
-class TurnKeeper:
+class TurnService:
     def __init__(self, protocols: Mapping[str, str], default_policy: str, tenant_policies: Mapping[str, str],
-                 prompts: PromptBuilder, max_conversations: int = 10_000) -> None:
+                 prompts: PromptBuilder, limits: Limits) -> None:
         self._protocols = {m: get_protocol(p) for m, p in protocols.items()}
         self._default = ReasoningPolicy.parse(default_policy)
         self._tenant = {t: ReasoningPolicy.parse(p) for t, p in tenant_policies.items()}
         self._prompts = prompts
-        self.exact = ExactStore(max_conversations)
-        self._last: OrderedDict[str, _Last] = OrderedDict()
-        self._responses: OrderedDict[str, str] = OrderedDict()
-        """Response id -> conversation, for stateful continuations (``previous_response_id``)."""
-        self._max = max_conversations
+        self.limits = limits
 
     def protocol(self, model: str, tenant: str, requested: str | None) -> ModelProtocol:
         base = self._protocols.get(model) or PROFILES.get(model) or PROFILES["generic-vllm"]
@@ -98,95 +84,51 @@ class TurnKeeper:
                 raise BadRequest(str(exc), param="reasoning_policy", code="invalid_value") from exc
         return base.with_policy(policy)
 
-    def canonical(self, protocol: ModelProtocol, messages: list[Message], conversation: str,
+    def canonical(self, protocol: ModelProtocol, messages: Sequence[Mapping[str, Any]], conv: Conversation | None,
                   model: str | None = None) -> Canonical:
         def truncate(text: str, n: int) -> str:
             # In the model's tokens when kvgate has its tokenizer, in words otherwise.
             cut = self._prompts.truncate_tokens(model, text, n) if model else None
             return cut if cut is not None else " ".join(text.split(" ")[:n])
 
-        return canonicalize(messages, protocol, self.exact, conversation, truncate)
+        return canonicalize(messages, protocol, conv.exact if conv is not None else (), truncate)
 
-    def explain(self, conversation: str, tokens: tuple[int, ...] | None, block_size: int,
-                canonical: Canonical) -> PromptLoss | None:
-        last = self._last.get(conversation)
-        if last is None or last.chain is None or tokens is None:
+    @staticmethod
+    def continue_from(conv: Conversation | None, messages: list[Message]) -> list[Message]:
+        """The full history of a stateful continuation of ``conv`` (UnknownResponse when kvgate no longer
+        holds its history)."""
+        if conv is None or not conv.history:
+            raise UnknownResponse("the conversation of this response is no longer held")
+        return continue_from(conv.history, messages)
+
+    @staticmethod
+    def explain(conv: Conversation | None, prompt: Prompt, block_size: int, canonical: Canonical
+                ) -> PromptLoss | None:
+        """Every token of the conversation's chain the prompt could have reused and does not, with its
+        cause, named where the tokens diverge (``history/loss.py``). The chain compared is the engine's
+        own tokens when it returned them."""
+        if conv is None or conv.chain is None or prompt.tokens is None:
             return None
-        return explain_prompt(last.chain, tokens, block_size, [*last.messages, last.reply], canonical.messages,
-                              canonical.reasoning_changed)
+        ch, pc = conv.chain, prompt.chain
+        starts = (anchored_token_starts(pc.text, pc.anchor_chars, pc.anchor_tokens, canonical.messages)
+                  if pc is not None else None)
+        chain = ch.engine if ch.engine is not None else ch.tokens
+        rendered = ch.tokens if ch.engine is not None else None
+        return explain_prompt(chain, prompt.tokens, block_size, conv.history, canonical.messages,
+                              canonical.reasoning_changed, starts, rendered)
 
-    def completed(self, conversation: str, messages: list[Message], reply: Reply, response_id: str | None = None,
-                  tools: Any = None, model: str = "") -> None:
-        msg = reply.message()
-        self.exact.add(conversation, msg)
-        # The chain the next request is compared with, rendered now: after the response, not before
-        # the next one's first token.
-        chain = self._prompts.render_tokens(model, [*messages, msg], tools, f"{conversation}#chain") if model else None
-        self._last[conversation] = _Last(messages, msg, response_id, tools, model, chain)
-        self._last.move_to_end(conversation)
-        while len(self._last) > self._max:
-            self._last.popitem(last=False)
-        if response_id:
-            self._responses[response_id] = conversation
-            while len(self._responses) > self._max:
-                self._responses.popitem(last=False)
+    def chain_for(self, model: str, messages: Sequence[Message], reply: Message, tools: Any,
+                  prompt_chain: Chain | None) -> Chain | None:
+        """The completed turn's chain (history plus reply as the engine cached them); rendered after the
+        response, not before the next request's first token."""
+        return self._prompts.chain_for(model, [*messages, reply], tools, prompt_chain)
 
-    def conversation_of(self, response_id: str) -> str:
-        cid = self._responses.get(response_id)
-        if cid is None or cid not in self._last:
-            raise UnknownResponse(f"no stored conversation has response `{response_id}`")
-        return cid
-
-    def continue_from(self, conversation: str, messages: list[Message]) -> list[Message]:
-        """The full history of a stateful continuation: the stored history and reply, then the new
-        messages. A client that resends history must resend the stored one (re-serialisations allowed);
-        otherwise HistoryConflict names the first differing message."""
-        last = self._last[conversation]
-        stored = [*last.messages, last.reply]
-        resent = (bool(messages) and messages[0].get("role") in ("system", "developer")) or (
-            len(messages) > len(stored) and any(m.get("role") == "assistant" for m in messages[: len(stored)]))
-        if resent:
-            for i, (old, new) in enumerate(zip(stored, messages, strict=False)):
-                if old == new:
-                    continue
-                if old.get("role") == "assistant" and reserialization(new, old) is not None:
-                    continue
-                if _text_equal(old, new):
-                    continue
-                raise HistoryConflict(i)
-            if len(messages) < len(stored):
-                raise HistoryConflict(len(messages))
-            return [*stored, *messages[len(stored):]]
-        return [*stored, *messages]
-
-    def chain_tokens(self, conversation: str) -> tuple[int, ...] | None:
-        """The tokens the worker cached for the conversation's last turn (history plus reply)."""
-        last = self._last.get(conversation)
-        return tuple(last.chain) if last and last.chain else None
-
-    def last_model(self, conversation: str) -> str | None:
-        last = self._last.get(conversation)
-        return last.model if last else None
-
-    def next_turn_prefix(self, model: str, conversation: str, protocol: ModelProtocol) -> list[int] | None:
+    def next_turn_prefix(self, conv: Conversation, protocol: ModelProtocol) -> list[int] | None:
         """The canonical prefix P|A the next request will start with: the history after this turn ends,
         rendered as it will be sent (this turn's reasoning kept, dropped or truncated per the policy),
         cut before a placeholder next user message. Background prefill warms exactly these tokens."""
-        last = self._last.get(conversation)
-        if last is None:
+        if not conv.history or not conv.model:
             return None
-        placeholder = "\x00kvgate-next-turn\x00"
-        canonical = self.canonical(protocol, [*last.messages, last.reply, {"role": "user", "content": placeholder}],
-                                   conversation, model)
-        return self._prompts.render_prefix(model, canonical.messages, last.tools, placeholder)
-
-
-def _text_equal(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
-    """Same role and text (content as a string or as text parts)."""
-    def text(m: Mapping[str, Any]) -> str:
-        c = m.get("content")
-        if isinstance(c, list):
-            return "\n".join(p.get("text", "") for p in c if isinstance(p, dict))
-        return c or ""
-
-    return a.get("role") == b.get("role") and text(a) == text(b) and a.get("tool_call_id") == b.get("tool_call_id")
+        canonical = self.canonical(protocol, [*conv.history, {"role": "user", "content": NEXT_TURN}], conv,
+                                   conv.model)
+        return self._prompts.render_prefix(conv.model, canonical.messages, conv.tools, NEXT_TURN)

@@ -1,8 +1,8 @@
 """The worker pool: configured workers, their health (active checks and passive marking), their load.
 
-Active checks poll ``/health`` and the engine's ``/metrics`` every interval; a request that fails to
-reach a worker marks it unhealthy at once (passive), and the next good check brings it back.
-``snapshot()`` freezes what the router may read.
+Active checks poll ``/health`` and the engine's ``/metrics`` every interval; requests report what they
+saw. Both feed each worker's ``HealthTracker`` (``gateway/health.py``: hysteresis, a half-open probation
+after an ejection). ``snapshot()`` freezes what the router may read.
 """
 
 from __future__ import annotations
@@ -10,30 +10,36 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
-from dataclasses import dataclass
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from kvgate.clock import Clock
 from kvgate.config import WorkerConfig
+from kvgate.gateway.enginemetrics import EngineMetrics, parse_metrics
+from kvgate.gateway.health import Health, HealthTracker
+from kvgate.router.hashing import HASH_ALGOS, HashSpec
 from kvgate.router.types import FleetView, WorkerId, WorkerView
 
 log = logging.getLogger(__name__)
 
-# Engine metric names for (running, waiting, kv usage).
-_LOAD_METRICS = {
-    "vllm": ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"),
-    "sim": ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"),
-    "sglang": ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage"),
-}
+# Request failures that prove nothing listens at the worker: ejected at once, no hysteresis.
+_HARD_FAILURES = frozenset({"ConnectError"})
+_DEPARTED_KEPT = 1024
 
 
 @dataclass(slots=True)
 class WorkerState:
     config: WorkerConfig
-    healthy: bool = False
+    health: HealthTracker = field(default_factory=HealthTracker)
+    joining: bool = False
+    """Discovered, not yet health-checked and subscribed: no traffic."""
+    draining: bool = False
+    """Gone from discovery: no new requests; removed once the ones in flight end."""
     in_flight: int = 0
     pending_prefill: int = 0
     pending_requests: int = 0
@@ -45,13 +51,29 @@ class WorkerState:
     last_error: str = ""
     last_check: float = 0.0
     reserved: int = 0
-    """KV tokens of sessions parked here on short tool waits (gateway/tiering.py)."""
+    """KV tokens of sessions parked here on short tool waits (the session controller's reservations)."""
     kv_capacity: int = 0
     """GPU KV capacity in tokens: configured, else ``vllm:cache_config_info`` (blocks x block size)."""
+    started_at: float | None = None
+    """The worker's ``process_start_time_seconds`` at the last poll."""
+    learned_block_size: int | None = None
+    learned_hash_algo: str | None = None
+    """The hashing setup the worker publishes (None until seen); it wins over the configured one."""
+
+    def hash_spec(self, default_seed: str | None) -> HashSpec:
+        c = self.config
+        algo = self.learned_hash_algo if self.learned_hash_algo in HASH_ALGOS else c.hash_algo
+        seed = c.hash_seed if c.hash_seed is not None else default_seed
+        return HashSpec.for_engine(c.engine, self.learned_block_size or c.block_size, algo or c.hash_algo, seed)
 
     @property
     def id(self) -> WorkerId:
         return WorkerId(self.config.id)
+
+    @property
+    def healthy(self) -> bool:
+        """Eligible for new requests."""
+        return self.health.eligible and not self.joining and not self.draining
 
     def view(self) -> WorkerView:
         return WorkerView(self.id, self.config.model, self.healthy, self.in_flight, self.running,
@@ -60,36 +82,91 @@ class WorkerState:
                           self.config.kv_capacity_tokens or self.kv_capacity, self.config.node)
 
 
+class PoolCollector(Collector):
+    """The pool's own figures, read at scrape time."""
+
+    def __init__(self, pool: WorkerPool) -> None:
+        self._pool = pool
+
+    def collect(self) -> Iterator[Metric]:
+        c = CounterMetricFamily("kvgate_worker_config_mismatches", "Values a worker published that its "
+                                "configuration disagreed with (the worker's value is used).",
+                                labels=["worker", "field"])
+        for (wid, field_), n in self._pool.mismatches.items():
+            c.add_metric([wid, field_], n)
+        yield c
+        r = CounterMetricFamily("kvgate_worker_restarts", "Worker restarts the health poll detected, by signal: "
+                                "process_restarted (process_start_time_seconds moved), readmitted (healthy "
+                                "again after being out).", labels=["worker", "signal"])
+        for (wid, sig), n in self._pool.restarts.items():
+            r.add_metric([wid, sig], n)
+        yield r
+
+
 class WorkerPool:
     def __init__(self, workers: list[WorkerConfig], client: httpx.AsyncClient, clock: Clock,
-                 interval_s: float = 5.0, timeout_s: float = 2.0) -> None:
-        self._workers = {WorkerId(w.id): WorkerState(w) for w in workers}
+                 interval_s: float = 5.0, timeout_s: float = 2.0, hash_seed: str | None = None,
+                 fall: int = 3) -> None:
+        self._fall = fall
+        self._workers = {WorkerId(w.id): self._state(w) for w in workers}
+        self._seed = hash_seed
+        self.mismatches: dict[tuple[WorkerId, str], int] = {}
+        """(worker, field) -> times the worker published a value its configuration disagreed with."""
+        self.restarts: dict[tuple[WorkerId, str], int] = {}
+        """(worker, signal) -> restarts detected by the health poll (process_restarted, readmitted)."""
+        self._on_restart: list[Callable[[WorkerId], None]] = []
+        self._departed: OrderedDict[WorkerId, WorkerState] = OrderedDict()
+        """Workers that left, kept (bounded) so late accounting calls and lookups still find them."""
         self._client = client
         self._clock = clock
         self._interval = interval_s
         self._timeout = timeout_s
         self._task: asyncio.Task[None] | None = None
 
+    def _state(self, config: WorkerConfig) -> WorkerState:
+        return WorkerState(config, HealthTracker(self._fall))
+
+    def on_restart(self, listener: Callable[[WorkerId], None]) -> None:
+        """Call ``listener(worker)`` when a worker restarted or came back after being out, before it is
+        eligible for routing again."""
+        self._on_restart.append(listener)
+
     # -- reading -------------------------------------------------------------------------------
     def get(self, wid: WorkerId) -> WorkerState:
-        return self._workers[wid]
+        w = self._workers.get(wid) or self._departed.get(wid)
+        if w is None:
+            raise KeyError(wid)
+        return w
 
     def all(self) -> list[WorkerState]:
         return list(self._workers.values())
 
+    def _members(self) -> list[WorkerState]:
+        return [w for w in self._workers.values() if not w.draining]
+
     def models(self) -> list[str]:
-        return sorted({w.config.model for w in self._workers.values()})
+        return sorted({w.config.model for w in self._members()})
 
     def serves(self, model: str) -> bool:
-        return any(w.config.model == model for w in self._workers.values())
+        return any(w.config.model == model for w in self._members())
 
     def snapshot(self, model: str) -> FleetView:
-        return FleetView(tuple(w.view() for w in self._workers.values() if w.config.model == model))
+        """What the router may read: a draining worker is no longer part of the fleet (its conversations
+        pick a new home), a joining one is, but not eligible yet."""
+        return FleetView(tuple(w.view() for w in self._members() if w.config.model == model))
+
+    def spec(self, wid: WorkerId) -> HashSpec | None:
+        w = self._workers.get(wid)
+        return None if w is None else w.hash_spec(self._seed)
+
+    def specs(self, model: str) -> list[HashSpec]:
+        """The distinct hash identities among the model's workers (a prompt is hashed once per each)."""
+        return list(dict.fromkeys(w.hash_spec(self._seed) for w in self._members() if w.config.model == model))
 
     def ready(self) -> dict[str, bool]:
         """Per served model: is at least one of its workers healthy?"""
         out: dict[str, bool] = {}
-        for w in self._workers.values():
+        for w in self._members():
             out[w.config.model] = out.get(w.config.model, False) or w.healthy
         return out
 
@@ -97,13 +174,14 @@ class WorkerPool:
     # What kvgate knows of each worker's queue is what it sent and what came back: a request is
     # "pending" (its uncached tokens wait for prefill) until its first token, then "decoding".
     def acquire(self, wid: WorkerId, prefill_tokens: int = 0) -> None:
-        w = self._workers[wid]
+        w = self.get(wid)
         w.in_flight += 1
         w.pending_prefill += prefill_tokens
         w.pending_requests += 1
 
     def first_token(self, wid: WorkerId, prefill_tokens: int, context_tokens: int) -> None:
-        w = self._workers[wid]
+        w = self.get(wid)
+        self._success(w)
         w.pending_prefill = max(0, w.pending_prefill - prefill_tokens)
         w.pending_requests = max(0, w.pending_requests - 1)
         w.decode_requests += 1
@@ -111,7 +189,7 @@ class WorkerPool:
 
     def release(self, wid: WorkerId, prefill_tokens: int = 0, context_tokens: int = 0,
                 got_first_token: bool = False) -> None:
-        w = self._workers[wid]
+        w = self.get(wid)
         w.in_flight = max(0, w.in_flight - 1)
         if got_first_token:
             w.decode_requests = max(0, w.decode_requests - 1)
@@ -119,71 +197,154 @@ class WorkerPool:
         else:
             w.pending_prefill = max(0, w.pending_prefill - prefill_tokens)
             w.pending_requests = max(0, w.pending_requests - 1)
+        if w.draining and w.in_flight == 0:
+            self._remove(w)
 
     def reserve(self, wid: WorkerId, tokens: int) -> None:
         w = self._workers.get(wid)
         if w is not None:
             w.reserved = max(0, w.reserved + tokens)
 
-    def mark_failed(self, wid: WorkerId, error: str) -> None:
-        w = self._workers[wid]
-        if w.healthy:
-            log.warning("worker %s marked unhealthy: %s", wid, error)
-        w.healthy = False
+    def set_reserved(self, totals: dict[WorkerId, int]) -> None:
+        """The fleet's reservations (every replica's), as the shared store last answered."""
+        for wid, w in self._workers.items():
+            w.reserved = totals.get(wid, 0)
+
+    # -- membership ----------------------------------------------------------------------------
+    def add(self, config: WorkerConfig) -> WorkerState:
+        """A worker joins: part of the fleet, but no traffic until ``admit`` (after its health check and
+        its event subscription)."""
+        w = self._state(config)
+        w.joining = True
+        self._workers[w.id] = w
+        self._departed.pop(w.id, None)
+        return w
+
+    def admit(self, wid: WorkerId) -> None:
+        w = self._workers.get(wid)
+        if w is not None:
+            w.joining = False
+
+    def update(self, config: WorkerConfig) -> None:
+        """New settings for a worker kvgate has (same id): its health and accounting are kept."""
+        w = self._workers.get(WorkerId(config.id))
+        if w is not None:
+            w.config = config
+
+    def drain(self, wid: WorkerId) -> None:
+        """A worker leaves: no new requests; it is removed once the ones in flight have ended."""
+        w = self._workers.get(wid)
+        if w is None or w.draining:
+            return
+        w.draining = True
+        log.info("worker %s leaves: draining %d request(s) in flight", wid, w.in_flight)
+        if w.in_flight == 0:
+            self._remove(w)
+
+    def _remove(self, w: WorkerState) -> None:
+        self._workers.pop(w.id, None)
+        self._departed[w.id] = w
+        while len(self._departed) > _DEPARTED_KEPT:
+            self._departed.popitem(last=False)
+        log.info("worker %s removed", w.id)
+
+    def mark_failed(self, wid: WorkerId, error: str, kind: str = "") -> None:
+        """A request failed at this worker (passive check). ``kind``: the httpx error's class name or the
+        proxy's label; a refused connection ejects at once, anything else counts toward ``fall``."""
+        w = self._workers.get(wid)
+        if w is not None and not w.draining:
+            self._failure(w, error, hard=kind in _HARD_FAILURES)
+
+    def _failure(self, w: WorkerState, error: str, hard: bool) -> None:
         w.last_error = error
+        was = w.health.state
+        if w.health.failure(hard):
+            log.warning("worker %s ejected (%s, %d failure(s) in a row): %s", w.id,
+                        "on probation" if was is Health.PROBATION else "hard failure" if hard else "soft failures",
+                        w.health.failures, error)
+
+    def _success(self, w: WorkerState) -> bool:
+        """True when the worker is let back after an ejection (it may have restarted meanwhile)."""
+        was = w.health.state
+        readmitted = w.health.success()
+        if was is not w.health.state:
+            log.info("worker %s is %s", w.id, w.health.state)
+        return readmitted
 
     # -- active checks -------------------------------------------------------------------------
     async def check(self, w: WorkerState) -> None:
-        base = w.config.url
         try:
-            r = await self._client.get(f"{base}/health", timeout=self._timeout)
-            ok = r.status_code == 200
-            if ok:
-                await self._poll_load(w)
-            if ok and not w.healthy:
-                log.info("worker %s is healthy", w.id)
-            w.healthy = ok
-            w.last_error = "" if ok else f"/health answered {r.status_code}"
+            r = await self._client.get(f"{w.config.url}/health", timeout=self._timeout)
         except httpx.HTTPError as exc:
-            if w.healthy:
-                log.warning("worker %s failed its health check: %r", w.id, exc)
-            w.healthy = False
-            w.last_error = repr(exc)
+            self._failure(w, f"/health: {exc!r}", hard=type(exc).__name__ in _HARD_FAILURES)
+            w.last_check = self._clock.now()
+            return
+        if r.status_code != 200:
+            self._failure(w, f"/health answered {r.status_code}", hard=False)
+        else:
+            restart = await self._poll_load(w)
+            if w.health.state is Health.DOWN and w.health.ever_up:
+                restart = restart or "readmitted"
+            if restart is not None:
+                # Before the worker is eligible again: nothing it held before may be expected there.
+                self._restarted(w, restart)
+            self._success(w)
+            w.last_error = ""
         w.last_check = self._clock.now()
 
-    async def _poll_load(self, w: WorkerState) -> None:
-        names = _LOAD_METRICS.get(w.config.engine)
-        if names is None:
-            return
+    def _restarted(self, w: WorkerState, signal: str) -> None:
+        """The worker's cache may be empty now: whatever kvgate believed it held is dropped (by the
+        listeners) before the worker is eligible again."""
+        log.warning("worker %s %s: dropping what kvgate knew of its cache", w.id,
+                    "restarted" if signal == "process_restarted" else "is back after being out")
+        self.restarts[(w.id, signal)] = self.restarts.get((w.id, signal), 0) + 1
+        for listener in self._on_restart:
+            listener(w.id)
+
+    async def _poll_load(self, w: WorkerState) -> str | None:
+        """Read the worker's /metrics; returns ``process_restarted`` when its process start time moved."""
         try:
             r = await self._client.get(f"{w.config.url}/metrics", timeout=self._timeout)
             if r.status_code != 200:
-                return
-            values: dict[str, float] = {}
-            for fam in text_string_to_metric_families(r.text):
-                for sample in fam.samples:
-                    if sample.name in names:
-                        values[sample.name] = values.get(sample.name, 0.0) + sample.value
-                    elif sample.name == "vllm:cache_config_info":
-                        blocks, bs = sample.labels.get("num_gpu_blocks", ""), sample.labels.get("block_size", "")
-                        if blocks.isdigit() and bs.isdigit():
-                            w.kv_capacity = int(blocks) * int(bs)
+                return None
+            m = parse_metrics(r.text, w.config.engine)
         except (httpx.HTTPError, ValueError):
-            return  # load is advisory; health decides eligibility
-        def finite(v: float) -> float:
-            return v if math.isfinite(v) else 0.0
+            return None  # load is advisory; health decides eligibility
+        if m.running is not None:
+            w.running, w.waiting, w.kv_usage = m.running, m.waiting or 0, m.kv_usage or 0.0
+        if m.num_gpu_blocks and m.kv_block_size:
+            w.kv_capacity = m.num_gpu_blocks * m.kv_block_size
+        self._learn(w, m)
+        before, w.started_at = w.started_at, m.started_at or w.started_at
+        return "process_restarted" if before is not None and w.started_at != before else None
 
-        w.running = int(finite(values.get(names[0], 0.0)))
-        w.waiting = int(finite(values.get(names[1], 0.0)))
-        w.kv_usage = finite(values.get(names[2], 0.0))
+    def _learn(self, w: WorkerState, m: EngineMetrics) -> None:
+        """Adopt the hashing setup the worker publishes; a configured value that disagrees is a mistake
+        in the configuration (the worker is what hashes), so it is logged loudly and counted, once per
+        value seen."""
+        c = w.config
+        for field_, configured, learned in (("block_size", c.block_size, m.hash_block_size),
+                                            ("hash_algo", c.hash_algo, m.hash_algo)):
+            if learned is None or learned == getattr(w, f"learned_{field_}"):
+                continue
+            setattr(w, f"learned_{field_}", learned)
+            if learned != configured:
+                self.mismatches[(w.id, field_)] = self.mismatches.get((w.id, field_), 0) + 1
+                log.warning("WORKER CONFIG MISMATCH: worker %s publishes %s=%s but kvgate is configured with "
+                            "%s; using the worker's value", w.id, field_, learned, configured)
+        if m.hash_algo is not None and m.hash_algo not in HASH_ALGOS:
+            log.error("worker %s hashes with %r, which kvgate cannot compute: its prefix cache is invisible to "
+                      "routing", w.id, m.hash_algo)
 
     async def check_all(self) -> None:
-        results = await asyncio.gather(*(self.check(w) for w in self._workers.values()), return_exceptions=True)
-        for w, r in zip(self._workers.values(), results, strict=True):
+        # Joining workers are checked by whoever admits them; draining ones need no more checks.
+        todo = [w for w in self._workers.values() if not w.joining and not w.draining]
+        results = await asyncio.gather(*(self.check(w) for w in todo), return_exceptions=True)
+        for w, r in zip(todo, results, strict=True):
             if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
                 # One worker's odd answer must not stop the checks that bring the others back.
                 log.warning("health check of %s failed: %r", w.id, r)
-                w.healthy = False
+                self._failure(w, repr(r), hard=False)
 
     async def _loop(self) -> None:
         while True:

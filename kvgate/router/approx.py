@@ -1,6 +1,9 @@
 """Approximate prefix knowledge for workers that publish no KV events: kvgate assumes a prompt it
 routed stays cached on that worker for ``ttl_s`` after the last time it was routed there (as llm-d's
-and Dynamo's approximate indexers do). Pure: the caller passes the time."""
+and Dynamo's approximate indexers do). Pure: the caller passes the time.
+
+The same structure, with a short TTL, holds the prompts in flight on workers that do publish events
+(``gateway/prefix.py``): counted there from dispatch until their blocks arrive by events (``forget``)."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ class ApproxIndex:
     def __init__(self, ttl_s: float) -> None:
         self.ttl_s = ttl_s
         self.index = PrefixIndex()
-        self._latest: dict[tuple[WorkerId, int], float] = {}
+        self._latest: dict[WorkerId, dict[int, float]] = {}
         self._expiry: list[tuple[float, int, WorkerId, tuple[int, ...]]] = []
         self._seq = 0
 
@@ -24,8 +27,9 @@ class ApproxIndex:
             return
         until = now + self.ttl_s
         self.index.store(worker, hashes)
+        latest = self._latest.setdefault(worker, {})
         for h in hashes:
-            self._latest[(worker, h)] = until
+            latest[h] = until
         self._seq += 1
         heapq.heappush(self._expiry, (until, self._seq, worker, tuple(hashes)))
 
@@ -33,9 +37,10 @@ class ApproxIndex:
         while self._expiry and self._expiry[0][0] <= now:
             _, _, w, hs = heapq.heappop(self._expiry)
             # Only blocks not routed there again since: a younger record keeps them.
-            gone = [h for h in hs if self._latest.get((w, h), 0.0) <= now]
+            latest = self._latest.get(w, {})
+            gone = [h for h in hs if latest.get(h, 0.0) <= now]
             for h in gone:
-                self._latest.pop((w, h), None)
+                latest.pop(h, None)
             self.index.remove(w, gone)
 
     def match(self, hashes: Sequence[int], now: float, workers: Sequence[WorkerId] | None = None
@@ -43,7 +48,17 @@ class ApproxIndex:
         self.expire(now)
         return self.index.match(hashes, workers=workers)
 
+    def forget(self, worker: WorkerId, hashes: Sequence[int]) -> None:
+        """These blocks are no longer assumed (their expiry records lapse harmlessly)."""
+        latest = self._latest.get(worker)
+        if latest:
+            for h in hashes:
+                latest.pop(h, None)
+            self.index.remove(worker, hashes)
+
+    def holds(self, worker: WorkerId) -> bool:
+        return bool(self._latest.get(worker))
+
     def drop_worker(self, worker: WorkerId) -> None:
         self.index.drop_worker(worker)
-        for key in [k for k in self._latest if k[0] == worker]:
-            del self._latest[key]
+        self._latest.pop(worker, None)

@@ -12,8 +12,15 @@ For each eligible worker::
 A request also delays the requests already waiting there for their first token: the engine packs
 their chunks and ours into the same pass, and the pass takes longer for everyone in it. That delay,
 ``waiting · (prefill(ahead + ours in that pass) − prefill(ahead))``, is added with
-``externality_weight`` (0 gives the greedy newcomer-only choice; 1 minimises the fleet's mean TTFT,
-which measured 232 → see docs/routing.md for the numbers).
+``externality_weight`` (0 gives the greedy newcomer-only choice; 1 counts every second of delay the
+same, whoever waits).
+
+Every token a request prefills is also work the fleet does instead of someone else's: whoever is
+queued when it runs waits for it. With the fleet's queues empty that costs nobody; under load it
+costs about as many waiters as are queued per worker, so the prefill this request adds is charged
+``backlog_weight × (requests waiting for a first token per worker)`` times. Recomputing a prefix that
+another worker holds is then dear exactly when the fleet is short of capacity — when giving up reuse
+turns a long queue into a longer one for everybody.
 
 Tiers (LMCache): beyond the GPU hit, the prompt's prefix may sit in the worker's node CPU tier (L1)
 or in the shared remote tier (L2, Redis). The engine loads those tokens instead of computing them, at
@@ -24,9 +31,11 @@ A worker that hosts sessions parked on short tool waits (``reserved_tokens``) lo
 newcomer needs more room than is free; the router charges the newcomer what those sessions would pay
 to get it back (``reservation_weight`` per token at recompute speed), so new work goes elsewhere first.
 
-The worker with the lowest cost wins; the conversation's home worker gets ``affinity_bonus_ms``
-as a tie-breaker prior, and a worker above ``(1 + load_epsilon)·mean + 1`` in-flight requests is left
-out (bounded load), so no estimate error can pile a fleet's traffic on one worker.
+The worker with the lowest cost wins; taking a conversation away from its home worker is charged the
+prefill time of the home's cached prefix that the new worker lacks (``affinity_cache_fraction`` times:
+its next turns need it again), the home gets ``affinity_bonus_ms`` as a tie-breaker, and a worker
+above ``(1 + load_epsilon)·mean + 1`` in-flight requests is left out (bounded load), so no estimate
+error can pile a fleet's traffic on one worker.
 """
 
 from __future__ import annotations
@@ -54,11 +63,13 @@ class CostParams(BaseModel):
     kv_capacity_tokens: int = Field(1_048_576, gt=0, description="KV capacity of one worker, for u")
     token_budget: int = Field(8192, gt=0, description="max tokens in one engine step")
     affinity_bonus_ms: float = Field(2.0, ge=0, description="prior for the conversation's home worker")
-    affinity_cache_fraction: float = Field(1.0, ge=0, description="extra home prior: this fraction of the "
-                                           "prefill time its cached prefix saves (moving a conversation also "
-                                           "costs its next turns)")
+    affinity_cache_fraction: float = Field(4.0, ge=0, description="charge for leaving the home: this fraction of "
+                                           "the prefill time of the home's cached prefix the new worker lacks "
+                                           "(moving a conversation also costs its next turns)")
     externality_weight: float = Field(1.0, ge=0, description="weight of the delay a request imposes on the "
                                       "requests already waiting for their first token on a worker")
+    backlog_weight: float = Field(1.0, ge=0, description="charge for the prefill a request adds, per request "
+                                  "waiting for a first token per worker across the fleet")
     load_epsilon: float = Field(1.0, ge=0, description="bounded load: (1+eps)*mean+1 in-flight at most")
     kv_bytes_per_token: int = Field(131_072, gt=0, description="KV bytes per token (Llama-3-8B bf16: "
                                     "2 x 32 layers x 8 KV heads x 128 dims x 2 bytes)")
@@ -99,17 +110,28 @@ class CostModel:
             ms += p.remote_rtt_ms + r.remote * p.kv_bytes_per_token / (p.remote_load_gbps * 1e6)
         return ms
 
+    def _pass_ms(self, tokens: int) -> float:
+        p = self.params
+        return p.p0_ms + p.p1_ms * tokens + p.p2_ms * tokens * tokens if tokens > 0 else 0.0
+
     def ttft_ms(self, request: RouteRequest, w: WorkerView) -> float:
         p = self.params
         r = self.reuse(request, w)
         mine = max(1, request.prompt_tokens - r.total)
-        total = w.pending_prefill_tokens + mine
-        full, rest = divmod(total, p.token_budget)
+        full, rest = divmod(w.pending_prefill_tokens + mine, p.token_budget)
         passes = [p.token_budget] * full + ([rest] if rest else [])
-        prefill = sum(p.p0_ms + p.p1_ms * t + p.p2_ms * t * t for t in passes)
+        prefill = sum(self._pass_ms(t) for t in passes)
         attention = p.p_attn_ms * mine * r.total / 1e6
         decode = len(passes) * self.decode_step_ms(w) if w.decode_requests else 0.0
         return prefill + attention + decode + self.load_ms(r)
+
+    def backlog_ms(self, request: RouteRequest, w: WorkerView, waiting_per_worker: float) -> float:
+        """What the prefill this request adds on ``w`` costs the requests queued across the fleet."""
+        if waiting_per_worker <= 0:
+            return 0.0
+        p = self.params
+        mine = max(1, request.prompt_tokens - self.reuse(request, w).total)
+        return p.backlog_weight * waiting_per_worker * (p.p1_ms * mine + p.p2_ms * mine * mine)
 
     def reservation_ms(self, request: RouteRequest, w: WorkerView) -> float:
         """What the sessions parked on ``w`` would pay to recompute the KV this request evicts."""
@@ -121,10 +143,20 @@ class CostModel:
         evicted = min(w.reserved_tokens, max(0, need - room))
         return self.params.reservation_weight * self.params.p1_ms * evicted
 
-    def home_bonus_ms(self, request: RouteRequest, w: WorkerView) -> float:
+    def move_ms(self, request: RouteRequest, w: WorkerView) -> float:
+        """The prior against taking the conversation away from its home worker to ``w``: the prefill time
+        of the home's cached prefix that ``w`` lacks, times ``affinity_cache_fraction`` (the next turns
+        would need it again, and the fleet would hold it twice). Nothing when ``w`` holds at least as
+        much; ``affinity_bonus_ms`` breaks ties for the home."""
         p = self.params
-        cached = self.cached_tokens(request, w)
-        return p.affinity_bonus_ms + p.affinity_cache_fraction * (p.p1_ms * cached + p.p2_ms * cached * cached)
+        home = request.home_worker
+        if home is None or w.id == home:
+            return -p.affinity_bonus_ms if home is not None else 0.0
+        limit = self._limit(request)
+        lost = min(request.matched_blocks.get(home, 0) * request.block_size, limit) - self.cached_tokens(request, w)
+        if lost <= 0:
+            return 0.0
+        return p.affinity_cache_fraction * (p.p1_ms * lost + p.p2_ms * lost * lost)
 
     def delay_to_others_ms(self, request: RouteRequest, w: WorkerView) -> float:
         """How much longer the requests already waiting on ``w`` take, summed over them."""
@@ -156,12 +188,13 @@ class CostModel:
         mean = sum(w.in_flight for w in workers) / len(workers)
         cap = (1 + self.params.load_epsilon) * mean + 1
         eligible = [w for w in workers if w.in_flight < cap] or workers
+        waiting = sum(w.pending_requests for w in workers) / len(workers)
         scores = {w.id: self.ttft_ms(request, w) + self.params.externality_weight * self.delay_to_others_ms(request, w)
-                  + self.reservation_ms(request, w) for w in eligible}
+                  + self.reservation_ms(request, w) + self.backlog_ms(request, w, waiting) for w in eligible}
         home = request.home_worker
 
         def key(w: WorkerView) -> tuple[float, str]:
-            return (scores[w.id] - (self.home_bonus_ms(request, w) if w.id == home else 0.0), w.id)
+            return (scores[w.id] + self.move_ms(request, w), w.id)
 
         best = min(eligible, key=key)
         r = self.reuse(request, best)
@@ -175,12 +208,9 @@ class CostModel:
             reason = "longest_prefix"
         else:
             reason = "load_over_prefix"
-        if r.tier in ("cpu", "remote") and reason != "cold_least_ttft":
-            reason += f"_{r.tier}"
-        if len(eligible) < len(workers) and reason != "affinity":
-            reason += "_bounded"
         return Decision(worker=best.id, reason=reason, expected_cached_tokens=r.total, scores=scores,
-                        expected_loaded_tokens=r.cpu + r.remote, tier=r.tier)
+                        expected_loaded_tokens=r.cpu + r.remote, expected_remote_tokens=r.remote, tier=r.tier,
+                        bounded=len(eligible) < len(workers))
 
 
 @dataclass(frozen=True, slots=True)

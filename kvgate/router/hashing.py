@@ -19,7 +19,7 @@ import sys
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NewType
+from typing import Any, Literal, NewType, Protocol, cast
 
 import blake3
 import cbor2
@@ -43,6 +43,7 @@ def sha256_cbor(obj: Any) -> bytes:
 
 
 _HASH_FNS: dict[str, Callable[[Any], bytes]] = {"sha256": sha256_pickle, "sha256_cbor": sha256_cbor}
+HASH_ALGOS: tuple[str, ...] = tuple(_HASH_FNS)
 
 
 def event_int(h: bytes) -> int:
@@ -103,6 +104,53 @@ class VllmHasher:
             out.append(BlockHash(prev))
         return out
 
+    @staticmethod
+    def event_ints(hashes: Sequence[bytes], *, cache_salt: str | None = None) -> list[int]:
+        return [event_int(h) for h in hashes]
+
+
+class BlockHasher(Protocol):
+    """What the gateway needs of an engine's block hashing (``VllmHasher``; SGLang's has the same shape)."""
+
+    @property
+    def block_size(self) -> int: ...
+
+    def block_hashes(self, token_ids: Sequence[int], *, parent: BlockHash | None = None,
+                     cache_salt: str | None = None, start_block: int = 0) -> list[BlockHash]: ...
+
+    def event_ints(self, hashes: Sequence[bytes], *, cache_salt: str | None = None) -> list[int]:
+        """The ids the engine's KV events carry for these hashes."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class HashSpec:
+    """One hash identity: workers that share it produce the same block hashes for the same tokens, so a
+    prompt is hashed once per distinct spec in its fleet, not once per worker. The cache salt is not
+    part of it: it comes with each request."""
+
+    block_size: int
+    algo: str = "sha256"
+    seed: str | None = None
+    family: Literal["vllm", "sglang"] = "vllm"
+    """Whose hashing formula: kvgate's simulator hashes exactly as vLLM does, so ``sim`` workers are
+    ``vllm`` here and share hashes with real vLLM workers configured alike."""
+
+    @staticmethod
+    def for_engine(engine: str, block_size: int, algo: str, seed: str | None) -> HashSpec:
+        return HashSpec(block_size, algo, seed, "sglang" if engine == "sglang" else "vllm")
+
+
+def make_hasher(spec: HashSpec) -> BlockHasher:
+    """The hasher for one spec (raises ValueError for an algorithm kvgate cannot compute)."""
+    if spec.family == "sglang":
+        from kvgate.router.sglang import SglangHasher
+
+        return SglangHasher(spec.block_size)  # SGLang has one formula and no seed
+    if spec.algo not in _HASH_FNS:
+        raise ValueError(f"unknown hash algo {spec.algo!r}; kvgate computes {sorted(_HASH_FNS)}")
+    return VllmHasher(spec.block_size, cast(HashAlgo, spec.algo), spec.seed)
+
 
 def _u32_be(tokens: Sequence[int]) -> bytes:
     """Tokens as big-endian u32, at C speed (a prompt's keys are computed on the routing path)."""
@@ -144,5 +192,9 @@ class LMCacheKeys:
             out.append(prev)
         return out
 
-    def redis_keys(self, tokens: Sequence[int]) -> list[str]:
-        return [f"{self.model_name}@{self.kv_rank:08x}@{self.group:x}@{h.hex()}" for h in self.chunk_hashes(tokens)]
+    def redis_keys(self, tokens: Sequence[int], cache_salt: str | None = None) -> list[str]:
+        # A salted chunk's key ends in ``@<salt>`` (LMCache ObjectKey serialisation); unsalted keys keep the
+        # four-field shape. The chunk hashes themselves do not depend on the salt.
+        tail = f"@{cache_salt}" if cache_salt else ""
+        return [f"{self.model_name}@{self.kv_rank:08x}@{self.group:x}@{h.hex()}{tail}"
+                for h in self.chunk_hashes(tokens)]

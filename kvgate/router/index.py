@@ -98,6 +98,10 @@ class PrefixIndex:
             self._held[t].pop(worker, None)
 
     # -- lookups ---------------------------------------------------------------------------------
+    def holds(self, worker: WorkerId, block: int) -> bool:
+        """Whether ``worker`` holds ``block`` in any tier."""
+        return any(block in self._held[t].get(worker, ()) for t in TIERS)
+
     def match(self, hashes: Sequence[int], tier: Tier = "GPU",
               workers: Iterable[WorkerId] | None = None) -> dict[WorkerId, int]:
         """Longest cached prefix, in blocks, of ``hashes`` on each worker (absent: 0)."""

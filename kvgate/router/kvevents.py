@@ -4,16 +4,23 @@ instructions (``replay from seq N``) out; the ZMQ adapter lives in ``gateway/kve
 Events are lossy (PUB drops under pressure, publishers restart), so every worker's sequence numbers
 are tracked:
 - the next expected seq arrives: apply;
-- the first batch seen is not seq 0: kvgate joined late — replay from 0 (the publisher keeps a buffer);
+- on subscribe, reconnect or a detected worker restart (``resync``): drop the worker's entries and
+  replay the publisher's buffer from its oldest kept batch (a warm start: a buffer that no longer
+  reaches back to the worker's start still gives a safe under-estimate); the live copies of replayed
+  batches are recognised by seq and payload digest and skipped;
+- the first batch seen is not seq 0: kvgate joined late — replay from 0, warm as above;
 - a seq jumps ahead: a gap — ask for a replay from the first missing seq; until it is answered the
-  worker's entries are kept but the gap is counted; if the replay fails, drop the worker's entries
-  rather than trust a stale index;
-- a seq goes backwards: the publisher restarted (its engine's cache is empty): clear, then apply.
+  worker's entries are kept but the gap is counted; the replay must be complete, else drop the worker's
+  entries rather than trust a stale index;
+- a seq goes backwards (and is not a replayed batch's copy): the publisher restarted (its engine's
+  cache is empty): clear, then apply;
+- the connection drops: the worker is ``stale`` (matched as nothing) until the resync that follows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import hashlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +54,9 @@ class Cleared:
 
 Event = Stored | Removed | Cleared
 
+# SGLang names its host tier "CPU_PINNED" (HiCache L2); vLLM's offloading connector says "CPU".
+_MEDIA = {"CPU_PINNED": "CPU"}
+
 # Field order of the array-encoded (pre-0.26) structs, after the tag.
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium")
 _REMOVED_FIELDS = ("block_hashes", "medium")
@@ -76,7 +86,8 @@ def _event(raw: Any) -> Event | None:
         raise BadEvent("event must be a tagged map or a tagged array")
     if kind == "AllBlocksCleared":
         return Cleared()
-    tier = tier_of(fields.get("medium"))
+    medium = fields.get("medium")
+    tier = tier_of(_MEDIA.get(medium, medium) if isinstance(medium, str) else medium)
     if tier is None:
         return None  # a medium kvgate does not track (e.g. disk); not an error
     if kind == "BlockStored":
@@ -112,14 +123,34 @@ class EventStats:
     replays_failed: int = 0
     unknown_worker: int = 0
     unknown_removals: int = 0
+    resyncs: int = 0
+    """Streams started over from the publisher's buffer (subscribe, reconnect, worker restart)."""
+    duplicates: int = 0
+    """Live batches already applied from a replay."""
+
+
+_DEDUP_KEEP = 4096
+"""Replayed batches remembered to recognise their live copies (the SUB queue holds at most the batches
+published while the replay was being answered)."""
+
+
+def _digest(payload: bytes) -> bytes:
+    return hashlib.blake2b(payload, digest_size=8).digest()
 
 
 @dataclass(slots=True)
 class _Stream:
     next_seq: int | None = None
+    """None: the index holds nothing of this stream (just subscribed, or cleared)."""
     replaying_from: int | None = None
     held: tuple[int, bytes] | None = None
     """The batch that revealed a gap: applied after the replayed ones, so events stay in order."""
+    stale: bool = False
+    """The connection dropped or a resync is under way: the index may not reflect the worker's cache."""
+    warm: bool = False
+    """The outstanding replay starts from an empty index, where part of the history is enough."""
+    replayed: dict[int, bytes] = field(default_factory=dict)
+    """seq -> payload digest of the last replay's tail, to skip their live copies."""
 
 
 @dataclass
@@ -128,6 +159,8 @@ class KvEventState:
 
     index: PrefixIndex
     stats: EventStats = field(default_factory=EventStats)
+    on_stored: Callable[[WorkerId, tuple[int, ...]], None] | None = None
+    """Told of every block a worker reports stored (its prompts in flight have arrived)."""
     _streams: dict[WorkerId, _Stream] = field(default_factory=dict)
 
     def add_worker(self, worker: WorkerId) -> None:
@@ -144,6 +177,28 @@ class KvEventState:
         """Whether this worker's KV events feed the index."""
         return worker in self._streams
 
+    def stale(self, worker: WorkerId) -> bool:
+        """Whether the worker's entries must not be trusted now (matched as nothing)."""
+        st = self._streams.get(worker)
+        return st is not None and st.stale
+
+    def mark_stale(self, worker: WorkerId) -> None:
+        """The event connection dropped: events may be lost from here until it is back and resynced."""
+        st = self._streams.get(worker)
+        if st is not None:
+            st.stale = True
+
+    def resync(self, worker: WorkerId) -> int | None:
+        """Start the worker's stream over: its entries are dropped and the caller replays the publisher's
+        buffer from the returned seq (0: from its oldest kept batch). None for an unknown worker."""
+        st = self._streams.get(worker)
+        if st is None:
+            return None
+        self.stats.resyncs += 1
+        self.index.clear(worker)
+        self._streams[worker] = _Stream(replaying_from=0, stale=True, warm=True)
+        return 0
+
     def on_message(self, worker: WorkerId, seq: int, payload: bytes) -> int | None:
         """Apply one published batch. Returns a seq to replay from when a gap was detected."""
         st = self._streams.get(worker)
@@ -153,10 +208,15 @@ class KvEventState:
         if st.replaying_from is not None:
             # A replay is outstanding (the adapter awaits it before reading on): hold on to order.
             return None
+        if st.next_seq is not None and seq < st.next_seq and st.replayed.get(seq) == _digest(payload):
+            self.stats.duplicates += 1
+            return None
+        st.replayed.clear()  # the live stream is past the replay: no more copies can come
         if (st.next_seq is None and seq > 0) or (st.next_seq is not None and seq > st.next_seq):
             # Joined late (the publisher sent batches before kvgate subscribed) or batches were lost:
             # replay them first, then this one.
             self.stats.gaps += 1
+            st.warm = st.next_seq is None
             st.replaying_from = 0 if st.next_seq is None else st.next_seq
             st.held = (seq, payload)
             st.next_seq = seq + 1
@@ -170,24 +230,53 @@ class KvEventState:
         return None
 
     def on_replayed(self, worker: WorkerId, batches: Sequence[tuple[int, bytes]]) -> None:
-        """Apply a gap's replayed batches in order, up to and including the batch that revealed it."""
+        """Apply a replay's batches in order (a gap's up to and including the batch that revealed it)."""
         st = self._streams.get(worker)
-        if st is None or st.replaying_from is None or st.held is None:
+        if st is None or st.replaying_from is None:
             return
-        held_seq, held_payload = st.held
-        seqs = sorted(seq for seq, _ in batches if st.replaying_from <= seq < held_seq)
-        if seqs != list(range(st.replaying_from, held_seq)):
-            # The publisher's buffer no longer holds every missing batch: what is left is not enough.
+        got = sorted({seq: p for seq, p in batches if seq >= st.replaying_from}.items())
+        if st.warm:
+            self._apply_warm(worker, st, got)
+        elif st.held is not None:
+            self._apply_gap(worker, st, got, st.held)
+        st.replaying_from, st.held, st.warm, st.stale = None, None, False, False
+
+    def _apply_gap(self, worker: WorkerId, st: _Stream, got: list[tuple[int, bytes]], held: tuple[int, bytes]
+                   ) -> None:
+        # The index already reflects the stream up to the gap: every missing batch is needed, since a lost
+        # BlockRemoved would leave a block the worker no longer holds.
+        assert st.replaying_from is not None
+        missing = [seq for seq, _ in got if seq < held[0]]
+        if missing != list(range(st.replaying_from, held[0])):
             self.on_replay_failed(worker)
             return
-        seen_held = False
-        for seq, payload in batches:
-            if st.replaying_from <= seq <= held_seq:
+        for seq, payload in got:
+            if seq < held[0]:
                 self._apply(worker, payload)
-                seen_held = seen_held or seq == held_seq
-        if not seen_held:
-            self._apply(worker, held_payload)
-        st.replaying_from, st.held = None, None
+        self._apply(worker, held[1])
+
+    def _apply_warm(self, worker: WorkerId, st: _Stream, got: list[tuple[int, bytes]]) -> None:
+        # The index holds nothing of this worker: the publisher's buffer from its oldest kept batch
+        # rebuilds it. When the buffer no longer reaches back to the worker's start, the blocks stored
+        # before it are missing, but every block the replay leaves in the index is one the worker still
+        # holds (all later removals are in the replay too): a safe under-estimate, unlike a gap replay
+        # into a non-empty index.
+        run = got
+        for i in range(len(got) - 1, 0, -1):  # the last contiguous run (a buffer has no holes; be safe)
+            if got[i - 1][0] != got[i][0] - 1:
+                run = got[i:]
+                break
+        held = st.held
+        if held is not None and (not run or run[-1][0] < held[0] - 1):
+            run = []  # the replay does not reach the batch that revealed the gap: start from that batch
+        for seq, payload in run:
+            if held is None or seq <= held[0]:
+                self._apply(worker, payload)
+        if held is not None and not any(seq == held[0] for seq, _ in run):
+            self._apply(worker, held[1])
+        last = max([seq for seq, _ in run] + ([held[0]] if held is not None else []), default=None)
+        st.next_seq = None if last is None else last + 1
+        st.replayed = {seq: _digest(p) for seq, p in run[-_DEDUP_KEEP:]}
 
     def on_replay_failed(self, worker: WorkerId) -> None:
         """The gap cannot be filled: the worker's entries may be stale, so forget them, keeping only what
@@ -198,7 +287,7 @@ class KvEventState:
         if st is not None:
             if st.held is not None:
                 self._apply(worker, st.held[1])
-            st.replaying_from, st.held = None, None
+            st.replaying_from, st.held, st.warm, st.stale = None, None, False, False
 
     def _apply(self, worker: WorkerId, payload: bytes) -> None:
         try:
@@ -210,6 +299,8 @@ class KvEventState:
         for ev in events:
             if isinstance(ev, Stored):
                 self.index.store(worker, ev.hashes, ev.tier)
+                if self.on_stored is not None:
+                    self.on_stored(worker, ev.hashes)
             elif isinstance(ev, Removed):
                 n = self.index.remove(worker, ev.hashes, ev.tier)
                 self.stats.unknown_removals += len(ev.hashes) - n

@@ -11,8 +11,10 @@ import bisect
 import hashlib
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvgate.router.cost import CostModel, CostParams
 from kvgate.router.types import Decision, FleetView, RouteRequest, WorkerId, WorkerView
 
 
@@ -135,18 +137,26 @@ class SessionAffinity:
         return Decision(worker=best.id, reason="least_loaded_fallback", scores=scores)
 
 
-POLICIES: dict[str, Callable[[], Policy]] = {
-    "round_robin": RoundRobin,
-    "least_loaded": LeastLoaded,
-    "session_affinity": SessionAffinity,
+@dataclass(frozen=True, slots=True)
+class PolicyParams:
+    """What the policies are built from (the gateway's settings, or a benchmark's)."""
+
+    affinity_epsilon: float = 0.25
+    cost: CostParams = field(default_factory=CostParams)
+
+
+POLICIES: dict[str, Callable[[PolicyParams], Policy]] = {
+    "round_robin": lambda p: RoundRobin(),
+    "least_loaded": lambda p: LeastLoaded(),
+    "session_affinity": lambda p: SessionAffinity(p.affinity_epsilon),
+    "cost_model": lambda p: CostModel(p.cost.model_copy()),
 }
 
 
-def make_policy(name: str, **params: float) -> Policy:
+def make_policy(name: str, params: PolicyParams | None = None) -> Policy:
+    """The policy registered as ``name``; an unknown name fails here, at assembly, not per request."""
     try:
         factory = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; expected one of {sorted(POLICIES)}") from None
-    if name == "session_affinity":
-        return SessionAffinity(**params)  # type: ignore[arg-type]
-    return factory()
+    return factory(params or PolicyParams())

@@ -9,47 +9,54 @@
   capped by the remote answer: a prompt that diverged from the stored one is never credited past the
   divergence.
 
-Pure: time is an argument; the gateway and the fleet benchmark share it.
+Pure and immutable: one value per conversation, kept in its record (so every gateway replica sees
+the same estimate); time is an argument; the gateway and the fleet benchmark share it.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from kvgate.router.index import PrefixIndex
+from kvgate.router.types import WorkerId
 
 
-class TierResidency:
-    def __init__(self, ttl_s: float = 300.0, chunk_tokens: int = 256, max_conversations: int = 100_000) -> None:
-        self.ttl_s = ttl_s
-        self.chunk_tokens = chunk_tokens
-        self._max = max_conversations
-        self._cpu: OrderedDict[str, dict[str, tuple[int, float]]] = OrderedDict()
-        """conversation -> node -> (prefix tokens in that node's L1, when last used)."""
+@dataclass(frozen=True, slots=True)
+class Residency:
+    """One conversation's prefix in each node's L1: (node, tokens, when last used)."""
 
-    def _note(self, conversation: str, node: str, tokens: int, now: float) -> None:
-        full = tokens // self.chunk_tokens * self.chunk_tokens
+    entries: tuple[tuple[str, int, float], ...] = ()
+
+    def stored(self, node: str, tokens: int, now: float, ttl_s: float, chunk_tokens: int) -> Residency:
+        """A prompt of ``tokens`` was prefilled on ``node`` (LMCache stores its full chunks there and in L2),
+        or kvgate prefetched that much there."""
+        full = tokens // chunk_tokens * chunk_tokens
         if full <= 0:
-            return
-        nodes = self._cpu.setdefault(conversation, {})
-        have, _ = nodes.get(node, (0, 0.0))
-        nodes[node] = (max(have, full) if have and self._live(nodes[node], now) else full, now)
-        self._cpu.move_to_end(conversation)
-        while len(self._cpu) > self._max:
-            self._cpu.popitem(last=False)
+            return self
+        have = next(((t, at) for n, t, at in self.entries if n == node), None)
+        keep = max(have[0], full) if have is not None and now - have[1] <= ttl_s else full
+        live = tuple(e for e in self.entries if e[0] != node and now - e[2] <= ttl_s)
+        return replace(self, entries=(*live, (node, keep, now)))
 
-    def _live(self, item: tuple[int, float], now: float) -> bool:
-        return now - item[1] <= self.ttl_s
-
-    def stored(self, conversation: str, node: str, prompt_tokens: int, now: float) -> None:
-        """A prompt was prefilled on ``node``: LMCache stores its full chunks there (and in L2)."""
-        self._note(conversation, node, prompt_tokens, now)
-
-    def prefetched(self, conversation: str, node: str, tokens: int, now: float) -> None:
-        self._note(conversation, node, tokens, now)
-
-    def cpu_tokens(self, conversation: str, remote_tokens: int, now: float) -> dict[str, int]:
-        nodes = self._cpu.get(conversation)
-        if not nodes:
-            return {}
+    def cpu_tokens(self, remote_tokens: int, now: float, ttl_s: float) -> dict[str, int]:
+        """Per node, the prefix its L1 is estimated to hold, capped by what Redis (L2) answered."""
         if remote_tokens <= 0:
             return {}
-        return {n: min(t, remote_tokens) for n, (t, at) in nodes.items() if now - at <= self.ttl_s}
+        return {n: min(t, remote_tokens) for n, t, at in self.entries if now - at <= ttl_s}
+def hicache_host_tokens(index: PrefixIndex, hashes: Mapping[WorkerId, Sequence[int]],
+                        page_sizes: Mapping[WorkerId, int]) -> dict[str, int]:
+    """SGLang workers' HiCache host pools, for ``RouteRequest.cpu_tokens``: each worker's longest prefix of
+    the prompt (its own page ids, ``SglangHasher.event_ints``) in the index's CPU tier, which SGLang's
+    ``CPU_PINNED`` events feed; keyed by worker id, since a host pool belongs to one worker, not a node.
+
+    Under write-through (SGLang's default) every page on the GPU is backed up to host once its copy is
+    acknowledged, so the CPU-tier prefix is the longest one the worker can serve without computing; the cost
+    model prices what lies beyond the GPU hit at the host-to-device bandwidth, as for LMCache's L1.
+    """
+    out: dict[str, int] = {}
+    for w, hs in hashes.items():
+        blocks = index.match(hs, "CPU", workers=[w]).get(w, 0)
+        if blocks:
+            out[str(w)] = blocks * page_sizes[w]
+    return out

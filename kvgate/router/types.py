@@ -35,7 +35,7 @@ class WorkerView:
     """Their total context (prompt + generated so far, estimated)."""
     reserved_tokens: int = 0
     """KV of sessions parked here while a short tool runs: cached but unreferenced, so a newcomer that
-    needs more room than is free evicts it (see ``router/waits.py``)."""
+    needs more room than is free evicts it (see ``session/waits.py``)."""
     kv_capacity_tokens: int = 0
     """The worker's GPU KV capacity in tokens (0 when unknown: reservations are then not priced)."""
     node: str = ""
@@ -91,11 +91,16 @@ class RouteRequest:
 class Decision:
     worker: WorkerId
     reason: str
-    """A short stable label, counted in ``kvgate_route_decisions_total{policy,reason}``."""
+    """Why this worker, a short stable label (``longest_prefix``, ``affinity``, ``sticky``, ...), counted in
+    ``kvgate_route_decisions_total{policy,reason,tier,bounded}``."""
     expected_cached_tokens: int = 0
     scores: Mapping[WorkerId, float] = field(default_factory=dict)
     """Per-worker score the policy compared (lower is better), for explanation and debugging."""
     expected_loaded_tokens: int = 0
     """Tokens the chosen worker is expected to load from a CPU or remote tier instead of computing."""
-    tier: str = "gpu"
+    expected_remote_tokens: int = 0
+    """Of those, the tokens from the remote tier (the rest come from the node's CPU tier)."""
+    tier: str = "none"
     """Where the longest part of the reused prefix comes from: gpu, cpu, remote, or none."""
+    bounded: bool = False
+    """Bounded load left some workers out (the best-scoring one may have been among them)."""

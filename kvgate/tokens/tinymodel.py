@@ -12,6 +12,7 @@ import json
 import os
 import random
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvgate.tokens.template_qwen3 import CHAT_TEMPLATE
@@ -66,26 +67,56 @@ def build_corpus(seed: int) -> list[str]:
     return lines
 
 
-def build_tokenizer(out: Path, vocab: int = 8192, max_pos: int = 4096, seed: int = 0) -> int:
+@dataclass(frozen=True)
+class TokenSet:
+    """The added tokens of a model's tokenizer and which of them are special.
+
+    ``special`` follows the real model's tokenizer: engines strip special tokens from generated text
+    and structured-output grammars cannot emit them, so a tag the model writes as text (Qwen3's
+    ``<tool_call>``, DeepSeek's ``<｜tool▁calls▁begin｜>``) must be an added token that is not special.
+    """
+
+    tokens: tuple[tuple[str, bool], ...]
+    """(content, special) in id order after the BPE alphabet's first ids."""
+    eos: str = "<|im_end|>"
+    pad: str = "<|endoftext|>"
+    bos: str | None = None
+
+
+TINY_TOKENS = TokenSet(tuple((t, True) for t in SPECIAL_TOKENS))
+"""The tiny model's tokens (builder version 1: every added token special)."""
+
+
+def build_tokenizer(out: Path, vocab: int = 8192, max_pos: int = 4096, seed: int = 0,
+                    tokens: TokenSet = TINY_TOKENS, template: str = CHAT_TEMPLATE) -> int:
     """Write tokenizer.json, tokenizer_config.json, special_tokens_map.json and the template.
 
-    Returns the vocabulary size.
+    The BPE merges come from the same corpus and seed for every token set; only the added tokens
+    (and so the ids after them) differ. Returns the vocabulary size.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+    names = [t for t, _ in tokens.tokens]
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab,
         min_frequency=1,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=names,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(build_corpus(seed), trainer=trainer)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
+    special = dict(tokens.tokens)
+    if not all(special.values()):
+        # The trainer marks every added token special; the real tokenizers do not.
+        data = json.loads((out / "tokenizer.json").read_text())
+        for entry in data["added_tokens"]:
+            entry["special"] = special.get(entry["content"], True)
+        (out / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False))
     added = {
         str(tok.token_to_id(t)): {
             "content": t,
@@ -93,31 +124,34 @@ def build_tokenizer(out: Path, vocab: int = 8192, max_pos: int = 4096, seed: int
             "normalized": False,
             "rstrip": False,
             "single_word": False,
-            "special": True,
+            "special": sp,
         }
-        for t in SPECIAL_TOKENS
+        for t, sp in tokens.tokens
     }
-    extra_special = [t for t in SPECIAL_TOKENS if t not in ("<|endoftext|>", "<|im_end|>")]
+    fixed = (tokens.pad, tokens.eos, tokens.bos)
+    extra_special = [t for t, sp in tokens.tokens if sp and t not in fixed]
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "added_tokens_decoder": added,
         "additional_special_tokens": extra_special,
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
+        "bos_token": tokens.bos,
+        "eos_token": tokens.eos,
+        "pad_token": tokens.pad,
         "unk_token": None,
         "model_max_length": max_pos,
         "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": template,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
-    special_map = {
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
+    special_map: dict[str, object] = {
+        "eos_token": tokens.eos,
+        "pad_token": tokens.pad,
         "additional_special_tokens": extra_special,
     }
-    (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2))
-    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    if tokens.bos:
+        special_map["bos_token"] = tokens.bos
+    (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2, ensure_ascii=False))
+    (out / "chat_template.jinja").write_text(template)
     return int(tok.get_vocab_size())
 
 
@@ -134,14 +168,16 @@ def build_weights(out: Path, hidden: int = 128, intermediate: int = 384, layers:
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     vocab_size = tok.get_vocab_size()
     padded_vocab = ((vocab_size + 63) // 64) * 64
-    eos = tok.token_to_id("<|im_end|>")
-    pad = tok.token_to_id("<|endoftext|>")
+    cfg_tok = json.loads((out / "tokenizer_config.json").read_text())
+    eos = tok.token_to_id(cfg_tok.get("eos_token") or "<|im_end|>")
+    pad = tok.token_to_id(cfg_tok.get("pad_token") or "<|endoftext|>")
+    bos = tok.token_to_id(cfg_tok["bos_token"]) if cfg_tok.get("bos_token") else pad
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=padded_vocab, hidden_size=hidden, intermediate_size=intermediate,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
         head_dim=hidden // heads, max_position_embeddings=max_pos, rms_norm_eps=1e-6,
-        rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=pad, eos_token_id=eos,
+        rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=bos, eos_token_id=eos,
         pad_token_id=pad, torch_dtype=dtype,
     )
     model = LlamaForCausalLM(cfg).to(getattr(torch, dtype))

@@ -19,7 +19,8 @@ class ChatTokenizer:
     already wrote the special tokens.
     """
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, sandbox: bool = True) -> None:
+        """``sandbox``: render the chat template in Jinja's sandbox (``tokens/template.py``)."""
         self.model_dir = Path(model_dir)
         self._tok = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         cfg: dict[str, Any] = json.loads((self.model_dir / "tokenizer_config.json").read_text())
@@ -30,13 +31,19 @@ class ChatTokenizer:
         if not isinstance(source, str):
             raise ValueError(f"{model_dir}: no chat template found")
         special = {k: cfg.get(k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
-        self.template = ChatTemplate(source, {k: v for k, v in special.items() if isinstance(v, str)})
+        self.template = ChatTemplate(source, {k: v for k, v in special.items() if isinstance(v, str)}, sandbox)
+        # Every added token, special or not: tokenization never crosses one (incremental re-tokenization
+        # splits there).
         self.special_tokens: tuple[str, ...] = tuple(
             str(v["content"]) for v in (cfg.get("added_tokens_decoder") or {}).values()
-            if isinstance(v, dict) and v.get("special"))
+            if isinstance(v, dict) and v.get("content"))
         eos = cfg.get("eos_token")
         self.eos_token_id: int | None = self._tok.token_to_id(eos) if isinstance(eos, str) else None
         self.max_model_len = int(cfg.get("model_max_length", 4096))
+        # No token covers more characters than its vocabulary string has (byte-level BPE spells each
+        # byte as one character, and a character is at least one byte): prompt characters / this is a
+        # lower bound on its tokens, known without tokenizing.
+        self.max_token_chars = max((len(t) for t in self._tok.get_vocab(with_added_tokens=False)), default=1)
 
     @property
     def vocab_size(self) -> int:
@@ -45,10 +52,15 @@ class ChatTokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def encode_with_ends(self, text: str) -> tuple[list[int], list[int]]:
-        """Token ids and the character offset where each token ends (for incremental re-tokenization)."""
+    def encode_with_starts(self, text: str) -> tuple[list[int], list[int]]:
+        """Token ids and the character offset where each token starts (for incremental re-tokenization)."""
         enc = self._tok.encode(text, add_special_tokens=False)
-        return list(enc.ids), [e for _, e in enc.offsets]
+        return list(enc.ids), [s for s, _ in enc.offsets]
+
+    def encode_batch_with_starts(self, texts: list[str]) -> list[tuple[list[int], list[int]]]:
+        """``encode_with_starts`` of several texts at once (``tokenizers`` spreads them over every core)."""
+        return [(list(e.ids), [s for s, _ in e.offsets])
+                for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
     def last_safe_split(self, text: str, before: int) -> int:
         """The start of the last special token at or before ``before``: tokenization never crosses a

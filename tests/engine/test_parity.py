@@ -8,10 +8,10 @@ from typing import Any
 import httpx
 import pytest
 
-from kvgate.config import SimSettings
 from kvgate.router.hashing import VllmHasher, event_int
 from kvgate.serving import start_server
 from kvgate.sim.server import SimWorker
+from kvgate.sim.settings import SimSettings
 from kvgate.tokens.tokenizer import ChatTokenizer
 from tests.engine.conftest import SMALL_BLOCKS, EventTap, Pair, Worker, cached, complete, reset_cache
 

@@ -29,7 +29,7 @@ async def test_resume_from_lmcache_and_background_prefill(engine: Engine) -> Non
     # it found the chunks in Redis itself and expected exactly what vLLM reported.
     assert all(x > 0 for x in r.external_tokens), r.external_tokens
     assert r.resumed_expected == r.resumed_cached, (r.resumed_expected, r.resumed_cached)
-    assert all(x.endswith(("_cpu", "_remote")) for x in r.resumed_reasons), r.resumed_reasons
+    assert all(x.endswith(("/cpu", "/remote")) for x in r.resumed_reasons), r.resumed_reasons
     # The background prefill made the next user turn find the canonical prefix; without it the turn
     # reused only the history before the dropped reasoning.
     assert r.prefill_stats["issued"] == 1 and r.prefill_stats["used"] == 1, r.prefill_stats

@@ -1,0 +1,117 @@
+"""Rendered chat text into a chain of tokens, doing only the work routing needs.
+
+Tokenization never crosses an added token (the template's special markers), so text splits there into
+pieces that tokenize on their own:
+
+- A known conversation: the new prompt shares its text with the conversation's chain up to some
+  character; only the text from the last added token before it is tokenized again.
+- A long text (a cold conversation, or a large new message): the pieces are tokenized in growing batches
+  beside the event loop (``tokenizers`` releases the GIL and encodes a batch on every core), and after
+  each batch the caller may stop: routing needs the prompt's block hashes only as far as some worker
+  holds them, so a cold 32k-token prompt whose history no worker has costs one small batch, not the
+  whole text. The rest is tokenized when the turn's chain is built, after the response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import itertools
+import re
+from array import array
+from collections.abc import Callable
+
+from kvgate.sequences import common_prefix
+from kvgate.session.conversation import Chain
+from kvgate.tokens.tokenizer import ChatTokenizer
+
+INLINE_CHARS = 16_384
+"""Text up to this long is tokenized on the event loop (well under a millisecond)."""
+FIRST_BATCH_CHARS = 8_192
+"""A long text's first batch; each next one is four times larger."""
+
+Stop = Callable[[Chain], bool]
+"""Given the chain so far, True when routing has what it needs."""
+
+
+class ChainTokenizer:
+    """One model's tokenizer with the added-token ids and the pattern that splits text at them."""
+
+    def __init__(self, tok: ChatTokenizer) -> None:
+        self.tok = tok
+        self.added = frozenset(i for t in tok.special_tokens if (i := tok.token_to_id(t)) is not None)
+        tokens = sorted(tok.special_tokens, key=len, reverse=True)
+        self._split = re.compile("|".join(re.escape(t) for t in tokens)) if tokens else None
+        self.retokenized_chars = 0
+
+    async def chain(self, prev: Chain | None, text: str, stop: Stop | None = None
+                    ) -> tuple[Chain, int | None, bool]:
+        """``text`` as a chain, re-using ``prev``'s tokens up to the last added token before the first
+        changed character. Returns the chain (of a prefix of ``text`` when ``stop`` ended it early), how
+        many leading tokens were re-used (None: none) and whether the whole text was tokenized."""
+        base, k, split = self._base(prev, text)
+        self.retokenized_chars += len(text) - split
+        if len(text) - split <= INLINE_CHARS or self._split is None:
+            return self._whole(base, text, split), k, True
+        pieces = self._pieces(text, split)
+        chain, i, budget = base, 0, FIRST_BATCH_CHARS
+        while i < len(pieces):
+            batch: list[str] = []
+            size = 0
+            while i < len(pieces) and (not batch or size + len(pieces[i]) <= budget):
+                batch.append(pieces[i])
+                size += len(pieces[i])
+                i += 1
+            encoded = await asyncio.to_thread(self._encode_batch, batch)
+            chain = self._append(chain, text, len(chain.text) if chain is not base else split, batch, encoded)
+            if i < len(pieces) and stop is not None and stop(chain):
+                return chain, k, False
+            budget *= 4
+        return chain, k, True
+
+    def chain_sync(self, prev: Chain | None, text: str) -> tuple[Chain, int | None]:
+        """The whole of ``text`` as a chain, on the calling thread (the turn's chain, built off the loop)."""
+        base, k, split = self._base(prev, text)
+        self.retokenized_chars += len(text) - split
+        return self._whole(base, text, split), k
+
+    def _whole(self, base: Chain, text: str, split: int) -> Chain:
+        return self._append(base, text, split, [text[split:]], [self.tok.encode_with_starts(text[split:])])
+
+    def _base(self, prev: Chain | None, text: str) -> tuple[Chain, int | None, int]:
+        """What of ``prev`` stays valid for ``text``: its tokens up to the last added token (an anchor)
+        before the first changed character — the texts agree up to there, so no scan is needed."""
+        if prev is not None and prev.text:
+            i = bisect.bisect_right(prev.anchor_chars, common_prefix(prev.text, text)) - 1
+            if i >= 0 and prev.anchor_chars[i] > 0:
+                split, k = prev.anchor_chars[i], prev.anchor_tokens[i]
+                # Block hashes carry over for the blocks wholly inside the kept tokens.
+                kept = {key: (bs, h[: k // bs], n[: k // bs]) for key, (bs, h, n) in prev.hashes.items()}
+                return (Chain(text[:split], prev.tokens[:k], prev.anchor_chars[:i], prev.anchor_tokens[:i],
+                              hashes=kept), k, split)
+        return Chain("", array("I"), array("I"), array("I")), None, 0
+
+    def _pieces(self, text: str, start: int) -> list[str]:
+        assert self._split is not None
+        cuts = [m.start() for m in self._split.finditer(text, start)]
+        bounds = [start, *(c for c in cuts if c > start), len(text)]
+        return [text[a:b] for a, b in itertools.pairwise(bounds) if b > a]
+
+    def _encode_batch(self, pieces: list[str]) -> list[tuple[list[int], list[int]]]:
+        return self.tok.encode_batch_with_starts(pieces)
+
+    def _append(self, chain: Chain, text: str, at: int, pieces: list[str],
+                encoded: list[tuple[list[int], list[int]]]) -> Chain:
+        """``chain`` (the chain of ``text[:at]``) extended with the encoded ``pieces`` that follow."""
+        tokens = array("I", chain.tokens)
+        chars, toks = array("I", chain.anchor_chars), array("I", chain.anchor_tokens)
+        pos = at
+        for piece, (ids, starts) in zip(pieces, encoded, strict=True):
+            t0 = len(tokens)
+            for j, t in enumerate(ids):
+                if t in self.added:
+                    chars.append(pos + starts[j])
+                    toks.append(t0 + j)
+            tokens.extend(ids)
+            pos += len(piece)
+        return Chain(text[:pos], tokens, chars, toks, hashes=dict(chain.hashes))

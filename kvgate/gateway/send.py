@@ -1,0 +1,195 @@
+"""Sending a prepared request: pick a worker, send, and retry where that is safe.
+
+Only a request the worker never had goes to another worker (up to ``max_attempts`` workers): a refused
+or timed-out connection, a failed write, or a 502/503/504 answer. A worker that had the request and
+failed on it is not handed the next one: a 500 is answered as the client's error (400
+``upstream_request_failed``), a connection lost before the first byte as 502 (``upstream_connection_lost``
+or ``upstream_timeout``). A worker's own 4xx answer goes back unchanged. After the first byte a failure
+ends the stream with an SSE error event (``relay.py``). A client that disconnects closes the upstream
+request, which makes vLLM abort it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from kvgate.clock import Clock
+from kvgate.config import GatewaySettings
+from kvgate.errors import BadGateway, BadRequest, ServiceUnavailable
+from kvgate.gateway.exchange import PATHS, ClientGone, Exchange, Prepared
+from kvgate.gateway.relay import Relay
+from kvgate.gateway.route import Router
+from kvgate.gateway.telemetry import GatewayMetrics
+from kvgate.gateway.upstream import Lost, NotSent, Upstream, UpstreamResponse
+from kvgate.router.types import WorkerId
+
+T = TypeVar("T")
+
+
+class Sender:
+    def __init__(self, settings: GatewaySettings, router: Router, upstream: Upstream, clock: Clock,
+                 metrics: GatewayMetrics, relay: Relay) -> None:
+        self.settings = settings
+        self.router = router
+        self.pool = router.pool
+        self.upstream = upstream
+        self.clock = clock
+        self.metrics = metrics
+        self.relay = relay
+
+    async def send(self, request: Request, p: Prepared) -> Response:
+        plan = await self.router.plan(p)
+        tried: set[WorkerId] = set()
+        last_error = ""
+        for attempt in range(self.settings.max_attempts):
+            decision = self.router.pick(p, plan, tried)
+            if decision is None:
+                break
+            if attempt > 0:
+                self.metrics.retries.inc()
+            w = decision.worker
+            tried.add(w)
+            ex = Exchange(p, decision, self.clock.now(), self.router.node(w), plan.block_size,
+                          plan.matched_tokens(w), plan.best_matched_tokens)
+            outcome = await self._attempt(request, ex)
+            p.trace.attempted(ex, outcome)
+            if isinstance(outcome, Response):
+                return outcome
+            last_error = outcome
+        retry = {"Retry-After": str(self.settings.retry_after_s)}
+        if not tried:
+            raise ServiceUnavailable(f"No healthy worker for model `{p.model}`.", code="no_healthy_worker",
+                                     headers=retry)
+        raise ServiceUnavailable(f"All {len(tried)} attempted workers failed; last: {last_error}",
+                                 code="upstream_failed", headers=retry)
+
+    async def _attempt(self, request: Request, ex: Exchange) -> Response | str:
+        """The response, or why this worker failed (the request may go to another)."""
+        p, w = ex.prepared, ex.decision.worker
+        self.pool.acquire(w, ex.prefill_tokens)
+        self.router.dispatched(p, w)
+        handed_off = False  # once the relay or the record owns the worker slot, it releases it
+        try:
+            worker = self.pool.get(w).config
+            upstream = await until_disconnect(request, self.upstream.post(
+                worker.url + PATHS[p.endpoint], p.payload,
+                p.trace.upstream(ex, worker, {**p.headers, "content-type": "application/json"})), _close)
+            if upstream.status >= 400:
+                return await self._refused(ex, upstream)
+            self.router.accepted(p, w)
+            if p.stream:
+                it = upstream.chunks()
+                try:
+                    first = await until_disconnect(request, anext(it))
+                except StopAsyncIteration:
+                    first = b""
+                except ClientGone:
+                    await upstream.close()  # the worker sees the disconnect and aborts
+                    raise
+                except Lost as exc:
+                    await upstream.close()
+                    self._failed(w, str(exc), "stream_before_first_byte")
+                    raise _lost(w, exc) from exc
+                handed_off = True
+                return StreamingResponse(self.relay.stream(ex, upstream, first, it), status_code=upstream.status,
+                                         media_type="text/event-stream", headers=self.relay.headers(ex))
+            try:
+                content = await until_disconnect(request, upstream.read())
+            finally:
+                await upstream.close()
+            # The worker is done with it: release first, so what the turn's end decides (a background
+            # prefill) sees the queue without this request.
+            handed_off = True
+            self.pool.release(w, ex.prefill_tokens)
+            content = await self.relay.unary(ex, content)
+            return Response(content, status_code=upstream.status,
+                            media_type=upstream.header("content-type") or "application/json",
+                            headers=self.relay.headers(ex))
+        except NotSent as exc:  # the worker never had the request: another one may take it
+            self._failed(w, str(exc), exc.kind)
+            return f"worker {w}: {exc}"
+        except Lost as exc:  # the worker had it and was lost: not handed to the next one
+            self._failed(w, str(exc), exc.kind)
+            raise _lost(w, exc) from exc
+        finally:
+            if not handed_off:
+                self.pool.release(w, ex.prefill_tokens)
+
+    async def _refused(self, ex: Exchange, upstream: UpstreamResponse) -> Response | str:
+        w, status = ex.decision.worker, upstream.status
+        if status < 500:
+            # The worker judged the request; its answer goes back unchanged.
+            try:
+                content = await upstream.read()
+            finally:
+                await upstream.close()
+            return Response(content, status_code=status, media_type=upstream.header("content-type"),
+                            headers=self.relay.headers(ex))
+        text = await _error_text(upstream)
+        if status in (502, 503, 504):
+            # The worker did not take the request (overloaded, starting, a proxy in front of it failed):
+            # another worker may.
+            self._failed(w, f"HTTP {status}: {text}", "status_5xx")
+            return f"worker {w} answered {status}"
+        # The worker took the request and failed on it (vLLM answers 500 when its engine dies of it): a
+        # retry would hand the same request to every worker in turn. Not a health failure either: a
+        # repeated bad request would otherwise empty the fleet.
+        self.metrics.upstream_failures.labels(w, "status_500").inc()
+        raise BadRequest(f"Worker {w} failed while processing this request (HTTP {status}: {text}); it was not "
+                         "retried on another worker.", code="upstream_request_failed")
+
+    def _failed(self, w: WorkerId, error: str, kind: str) -> None:
+        self.metrics.upstream_failures.labels(w, kind).inc()
+        self.pool.mark_failed(w, error, kind)
+
+
+def _lost(w: WorkerId, exc: Lost) -> BadGateway:
+    return BadGateway(f"Worker {w} was lost while processing this request ({exc}); it was not retried on "
+                      "another worker.", code="upstream_timeout" if exc.timeout else "upstream_connection_lost")
+
+
+async def _error_text(upstream: UpstreamResponse) -> str:
+    try:
+        return (await upstream.read())[:200].decode(errors="replace")
+    except Lost:  # a worker that dies right after its status line
+        return ""
+    finally:
+        await upstream.close()
+
+
+async def _close(resp: UpstreamResponse) -> None:
+    await resp.close()
+
+
+async def until_disconnect(request: Request, aw: Awaitable[T],
+                           late: Callable[[T], Awaitable[None]] | None = None) -> T:
+    """Await ``aw``, but give up (raising ClientGone) if the client disconnects first."""
+    task = asyncio.ensure_future(aw)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        raise ClientGone()
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+            # A response that arrived while cancelling must still be closed.
+            if late is not None and not task.cancelled() and task.exception() is None:
+                await late(task.result())
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return

@@ -1,0 +1,112 @@
+"""The `kvgate` command as a newcomer meets it: its help, and its answers to bad or missing config."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvgate.cli import _build_parser, main
+from tests.conftest import free_port
+
+
+def _help(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--help"])
+    assert exc.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_top_level_help_lists_every_command_in_plain_text(capsys: pytest.CaptureFixture[str]) -> None:
+    out = _help(capsys)
+    sub = next(a for a in _build_parser()._actions if a.dest == "cmd")
+    commands = list(sub.choices)  # type: ignore[union-attr]
+    assert len(commands) >= 6
+    for cmd in commands:
+        assert f"\n    {cmd} " in out, cmd
+    assert "``" not in out and "session-aware gateway" in out
+
+
+@pytest.mark.parametrize("cmd", ["serve", "sim"])
+def test_every_option_has_help_with_its_default(capsys: pytest.CaptureFixture[str], cmd: str) -> None:
+    out = _help(capsys, cmd)
+    sub = next(a for a in _build_parser()._actions if a.dest == "cmd").choices[cmd]  # type: ignore[index]
+    for action in sub._actions:
+        if action.dest == "help":
+            continue
+        assert action.help, f"{cmd} {action.option_strings} has no help"
+        if action.dest != "worker":
+            assert "default" in action.help, f"{cmd} {action.option_strings}: no default in {action.help!r}"
+    assert "{round_robin,least_loaded,session_affinity,cost_model}" in out or cmd == "sim"
+    assert "{cpu-tiny,dynamo-mocker,h100-llama3-8b}" in out or cmd == "serve"
+
+
+def _run_serve(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvgate.cli", "serve"], capture_output=True, text=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", **env})
+
+
+@pytest.mark.parametrize(("env", "line"), [
+    ({"KVGATE_WORKERS": "[{bad"}, "invalid configuration: KVGATE_WORKERS is not valid JSON: Expecting property"),
+    ({"KVGATE_WORKERS": '[{"url": "ftp://x", "model": "m"}]'}, "invalid configuration:"),
+])
+def test_malformed_workers_json_is_one_line_and_exit_2(env: dict[str, str], line: str) -> None:
+    r = _run_serve(env)
+    assert r.returncode == 2
+    assert r.stderr.startswith(line) and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) <= 2
+
+
+def test_malformed_yaml_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    bad = tmp_path / "kvgate.yaml"
+    bad.write_text("workers: [a\n  b: {")
+    r = _run_serve({"KVGATE_CONFIG": str(bad)})
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert r.stderr.startswith("invalid configuration: KVGATE_CONFIG: not valid YAML"), r.stderr
+
+
+def test_serve_without_workers_warns_and_still_answers_health(spawn: Any) -> None:
+    import httpx
+
+    port = free_port()
+    p = spawn("serve", "--port", str(port))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    assert httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 503
+    assert "WARNING kvgate: no workers configured" in p.tail()
+
+
+def test_ctrl_c_stops_serve_cleanly(tmp_path: Path) -> None:
+    import signal
+
+    import httpx
+
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as f:
+        # SIGINT as a terminal delivers it: a background job or nohup would have it ignored, inherited.
+        p = subprocess.Popen([sys.executable, "-m", "kvgate.cli", "serve", "--port", str(port)], stdout=f,
+                             stderr=subprocess.STDOUT, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=30) == 130
+        assert "Traceback" not in log.read_text(), log.read_text()
+    finally:
+        p.kill()
+        p.wait(timeout=10)

@@ -1,0 +1,63 @@
+"""serving.start_server: port 0, TCP_NODELAY on accepted sockets, signal ownership, drain hook."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+
+import httpx
+from fastapi import FastAPI
+
+from kvgate.serving import start_server
+
+
+def _app() -> FastAPI:
+    app = FastAPI()
+
+    @app.get("/ping")
+    async def ping() -> dict[str, bool]:
+        return {"ok": True}
+
+    return app
+
+
+async def test_port_zero_is_known_before_start_and_accepted_sockets_have_nodelay() -> None:
+    h = await start_server(_app(), port=0)
+    try:
+        assert h.port > 0 and h.url == f"http://127.0.0.1:{h.port}"
+        async with httpx.AsyncClient() as c:
+            assert (await c.get(h.url + "/ping")).json() == {"ok": True}
+            # The connection is kept alive: its server-side socket is still open to look at.
+            conns = list(h.server.server_state.connections)
+            assert conns
+            sock = conns[0].transport.get_extra_info("socket")
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+    finally:
+        await h.stop()
+    assert h.task.done()
+
+
+async def test_only_the_owning_server_installs_signal_handlers_and_sigterm_drains_it() -> None:
+    seen: list[int] = []
+    before = signal.signal(signal.SIGTERM, lambda sig, frame: seen.append(sig))
+    try:
+        side = await start_server(_app())
+        recorder = signal.getsignal(signal.SIGTERM)
+        drained: list[bool] = []
+        try:
+            main = await start_server(_app(), on_drain=lambda: drained.append(True), install_signal_handlers=True)
+            handler = signal.getsignal(signal.SIGTERM)
+            assert handler is not recorder and getattr(handler, "__self__", None) is main.server
+            os.kill(os.getpid(), signal.SIGTERM)
+            await asyncio.wait_for(main.task, 10)
+            # Drained first; then uvicorn restored the previous handler and passed the signal on to it.
+            assert drained == [True] and seen == [signal.SIGTERM]
+            assert signal.getsignal(signal.SIGTERM) is recorder
+            async with httpx.AsyncClient() as c:  # the server that does not own signals is untouched
+                assert (await c.get(side.url + "/ping")).status_code == 200
+        finally:
+            await side.stop()
+    finally:
+        signal.signal(signal.SIGTERM, before)
