@@ -30,7 +30,7 @@ class Tool:
 @dataclass(frozen=True, slots=True)
 class AgentParams:
     """Defaults and their sources (docs/tiering.md has the derivation): ``Cat.`` is the agentic-otel
-    workload catalog (shared/data/agentic-otel, 10,056 traces), ``SWE`` the SWE-agent trajectories,
+    workload catalog (data/agentic-otel, 10,056 traces), ``SWE`` the SWE-agent trajectories,
     ``anchor`` the 86% < 1 s / 95% < 10 s return-time figure in anchors.md, ``A`` an assumption."""
 
     sessions: int = 240
