@@ -89,3 +89,14 @@ def test_hicache_is_sglangs_only() -> None:
 
     with pytest.raises(ValueError):
         make_core("vllm", PROFILE, hicache_ratio=1.0)
+
+
+def test_chained_host_stores_merge_and_stay_on_host() -> None:
+    # Two acknowledged backups of one chain go out as one event; it must still say CPU_PINNED, or kvgate
+    # would take host pages for device pages.
+    p = HiCachePool(8, 2, host_blocks=8)
+    a = [1, 2, 3, 4]
+    ha = tuple(H.block_hashes(a))
+    p._enqueue(BlockStored(ha[:1], None, tuple(a[:2]), 2, None, HOST))
+    p._enqueue(BlockStored(ha[1:], ha[0], tuple(a[2:]), 2, None, HOST))
+    assert p.take_events() == [BlockStored(ha, None, tuple(a), 2, None, HOST)]

@@ -22,6 +22,7 @@ from kvgate.router.approx import ApproxIndex
 from kvgate.router.hashing import HashSpec
 from kvgate.router.index import PrefixIndex
 from kvgate.router.kvevents import KvEventState
+from kvgate.router.residency import hicache_host_tokens
 from kvgate.router.types import WorkerId, WorkerView
 
 SpecOf = Callable[[WorkerId], HashSpec | None]
@@ -63,6 +64,21 @@ class PrefixKnowledge:
             tokens = min(depth * spec.block_size, (prompt.length - 1) // spec.block_size * spec.block_size)
             if tokens >= unit:
                 out[w.id] = tokens // unit
+        return out
+
+    def host_tokens(self, prompt: Prompt, workers: Sequence[WorkerView]) -> dict[str, int]:
+        """Per worker id, the prompt's prefix in that worker's own CPU tier as its KV events tell it
+        (``CPU_PINNED``/``CPU`` medium: SGLang's HiCache host pool, vLLM's native CPU offload), in tokens.
+        A worker-local tier, unlike LMCache's per-node L1 that ``TierView`` estimates."""
+        out: dict[str, int] = {}
+        for w in workers:
+            spec = self._spec_of(w.id)
+            hashes = prompt.hashes.get(spec) if spec is not None else None
+            if spec is None or not hashes or not self.precise(w.id) or self.events.stale(w.id):
+                continue
+            host = hicache_host_tokens(self.index, {w.id: hashes}, {w.id: spec.block_size}).get(str(w.id), 0)
+            if host:
+                out[str(w.id)] = host
         return out
 
     def _precise_depth(self, w: WorkerView, hashes: Sequence[int]) -> int:

@@ -60,6 +60,8 @@ class Router:
         residency = p.conv.residency if p.conv is not None else Residency()
         cpu, remote = await self.tiers.tier_tokens(p.model, residency, p.prompt.tokens,
                                                    max(matched.values(), default=0) * bs, p.cache_salt)
+        for w, host in self.prefix.host_tokens(p.prompt, fleet.workers).items():
+            cpu[w] = max(cpu.get(w, 0), host)
         return Plan(matched, bs, cpu, remote)
 
     def holder(self, model: str) -> Held:

@@ -99,7 +99,9 @@ class CostModel:
     def reuse(self, request: RouteRequest, w: WorkerView) -> Reuse:
         limit = self._limit(request)
         gpu = self.cached_tokens(request, w)
-        cpu = max(gpu, min(limit, request.cpu_tokens.get(w.node or w.id, 0)))
+        # A node's shared CPU tier (LMCache L1) or the worker's own (HiCache host pool, from its events).
+        own = max(request.cpu_tokens.get(w.node, 0) if w.node else 0, request.cpu_tokens.get(w.id, 0))
+        cpu = max(gpu, min(limit, own))
         remote = max(cpu, min(limit, request.remote_tokens))
         return Reuse(gpu, cpu - gpu, remote - cpu)
 

@@ -82,7 +82,8 @@ class RouteRequest:
     per request so that every scorer reads the same result)."""
     block_size: int = 16
     cpu_tokens: Mapping[str, int] = field(default_factory=dict)
-    """Longest prefix of the prompt in each node's CPU tier (LMCache L1), in tokens, keyed by node."""
+    """Longest prefix of the prompt in a CPU tier, in tokens: a node's (LMCache L1) keyed by node, a worker's
+    own (SGLang HiCache host pool, vLLM CPU offload, as their KV events say) keyed by worker id."""
     remote_tokens: int = 0
     """Longest prefix of the prompt in the shared remote tier (LMCache L2 in Redis), in tokens."""
 

@@ -268,7 +268,8 @@ class RadixPool:
         if (isinstance(ev, BlockStored) and isinstance(tail, BlockStored) and tail.medium == ev.medium
                 and tail.extra_keys == ev.extra_keys and ev.parent_block_hash == tail.block_hashes[-1]):
             self._events[-1] = BlockStored(tail.block_hashes + ev.block_hashes, tail.parent_block_hash,
-                                           tail.token_ids + ev.token_ids, tail.block_size, tail.extra_keys)
+                                           tail.token_ids + ev.token_ids, tail.block_size, tail.extra_keys,
+                                           tail.medium)
             return
         self._events.append(ev)
 
