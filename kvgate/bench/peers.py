@@ -22,7 +22,7 @@ import httpx
 
 from kvgate.bench.report import Row
 from kvgate.bench.trace import TraceRequest, load_mooncake
-from kvgate.dev.engines import EngineSet, Proc, ensure_router, free_port, spawn, wait_http
+from kvgate.dev.engines import EngineSet, Proc, ensure_router, free_ports, spawn, wait_http
 from kvgate.tokens.tinymodel import WORDS, ensure_tiny_model
 
 MODEL = "kvgate-tiny"
@@ -109,8 +109,9 @@ async def run_router(name: str, n_workers: int, trace: list[TraceRequest], scale
     sims: list[tuple[str, int, int]] = []
     try:
         procs = []
-        for _ in range(n_workers):
-            port, ev, rep = free_port(), free_port(), free_port()
+        ports = free_ports(3 * n_workers + 2)
+        for i in range(n_workers):
+            port, ev, rep = ports[3 * i : 3 * i + 3]
             env = {"KVGATE_SIM_PROFILE": "dynamo-mocker", "KVGATE_SIM_MAX_MODEL_LEN": "131072",
                    "KVGATE_SIM_HASH_SEED": "0", "KVGATE_SIM_MODEL_DIR": str(model_dir),
                    "KVGATE_SIM_KV_EVENTS_ENDPOINT": f"tcp://127.0.0.1:{ev}",
@@ -124,7 +125,7 @@ async def run_router(name: str, n_workers: int, trace: list[TraceRequest], scale
         for p in procs:
             wait_http(p, p.url + "/health", 60)
         urls = [u for u, _, _ in sims]
-        port = free_port()
+        port = ports[-2]
         if name.startswith("kvgate"):
             workers = [{"url": u, "model": MODEL, "engine": "sim", "block_size": 64, "kv_events": "auto"} for u in urls]
             env = {"KVGATE_WORKERS": json.dumps(workers), "KVGATE_TOKENIZERS": json.dumps({MODEL: str(model_dir)}),
@@ -138,7 +139,7 @@ async def run_router(name: str, n_workers: int, trace: list[TraceRequest], scale
             router, policy = name.split(" ", 1)
             ensure_router(router)
             engines.start_router(router, ["--worker-urls", *urls, "--policy", policy, "--prometheus-port",
-                                          str(free_port())], port)
+                                          str(ports[-1])], port)
         url = f"http://127.0.0.1:{port}"
         await _wait_routable(url)
         samples, wall = await replay(url, trace, scale, max_output)

@@ -81,6 +81,17 @@ def free_port() -> int:
     raise EngineError("no free port below the ephemeral range")
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports: ``free_port`` draws at random and binds nothing, so two calls before
+    either process binds can return the same port (seen: two simulated workers on one port in a bench)."""
+    out: list[int] = []
+    while len(out) < n:
+        port = free_port()
+        if port not in out:
+            out.append(port)
+    return out
+
+
 @contextlib.contextmanager
 def _lock(path: Path) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
