@@ -185,3 +185,59 @@ async def test_a_request_that_crashes_a_worker_is_not_handed_to_the_next_one(ans
         for w in workers:
             assert w.server is not None
             w.server.close()
+
+
+BODY_502 = b'{"error": {"message": "upstream connect error", "code": 502}}'
+ANSWER_502 = (b"HTTP/1.1 502 Bad Gateway\r\ncontent-type: application/json\r\n"
+              b"content-length: %d\r\nconnection: close\r\n\r\n" % len(BODY_502)) + BODY_502
+
+
+async def test_workers_answering_502_are_tried_twice_not_every_one() -> None:
+    # A proxy in front of each engine answers 502 when the request kills the engine: the first is retried on
+    # one other worker (the worker may have been the cause), not on all of them.
+    workers = [CrashingWorker(ANSWER_502) for _ in range(5)]
+    urls = [await w.start() for w in workers]
+    settings = GatewaySettings(workers=[WorkerConfig(url=u, model=MODEL, engine="sim") for u in urls],
+                               max_attempts=5, health_interval_s=30)
+    gw = await start_server(create_app(settings))
+    try:
+        async with httpx.AsyncClient(timeout=10) as h:
+            r = await h.post(gw.url + "/v1/chat/completions",
+                             json={"model": MODEL, "messages": [{"role": "user", "content": "poison"}]})
+            text = (await h.get(gw.url + "/metrics")).text
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert r.json()["error"]["code"] == "upstream_failed"
+        assert sum(w.requests for w in workers) == 2
+        assert "kvgate_retries_total 1.0" in text
+    finally:
+        await gw.stop()
+        for w in workers:
+            assert w.server is not None
+            w.server.close()
+
+
+async def test_refused_connections_still_use_every_attempt(model_dir: Path) -> None:
+    # Workers that never got the request (they stopped listening after their last health check) do not
+    # count against the two: the request is safe to send on, up to max_attempts.
+    gone = [CrashingWorker(b"") for _ in range(3)]
+    urls = [await w.start() for w in gone]
+    sim = SimWorker(SimSettings(model_dir=str(model_dir), hash_seed="0"))
+    live = await start_server(sim.build_app())
+    settings = GatewaySettings(workers=[WorkerConfig(url=u, model=MODEL, engine="sim") for u in [*urls, live.url]],
+                               max_attempts=4, health_interval_s=30, policy="round_robin")
+    gw = await start_server(create_app(settings))
+    try:
+        for w in gone:
+            assert w.server is not None
+            w.server.close()
+            await w.server.wait_closed()
+        async with httpx.AsyncClient(timeout=10) as h:
+            r = await h.post(gw.url + "/v1/chat/completions", json={
+                "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+            text = (await h.get(gw.url + "/metrics")).text
+        assert r.status_code == 200, r.text
+        assert "kvgate_retries_total 3.0" in text
+        assert sum(w.requests for w in gone) == 0
+    finally:
+        await gw.stop()
+        await live.stop()

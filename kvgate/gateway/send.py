@@ -1,7 +1,9 @@
 """Sending a prepared request: pick a worker, send, and retry where that is safe.
 
 Only a request the worker never had goes to another worker (up to ``max_attempts`` workers): a refused
-or timed-out connection, a failed write, or a 502/503/504 answer. A worker that had the request and
+or timed-out connection, a failed write, or a 502/503/504 answer. A 502/503/504 is retried on one other
+worker at most: it may come from a proxy in front of an engine the request itself killed, and a second
+one says the request, not the worker, is the likelier cause. A worker that had the request and
 failed on it is not handed the next one: a 500 is answered as the client's error (400
 ``upstream_request_failed``), a connection lost before the first byte as 502 (``upstream_connection_lost``
 or ``upstream_timeout``). A worker's own 4xx answer goes back unchanged. After the first byte a failure
@@ -47,7 +49,10 @@ class Sender:
         plan = await self.router.plan(p)
         tried: set[WorkerId] = set()
         last_error = ""
+        answered = 0  # workers that answered 502/503/504
         for attempt in range(self.settings.max_attempts):
+            if answered >= 2:
+                break
             decision = self.router.pick(p, plan, tried)
             if decision is None:
                 break
@@ -61,7 +66,8 @@ class Sender:
             p.trace.attempted(ex, outcome)
             if isinstance(outcome, Response):
                 return outcome
-            last_error = outcome
+            last_error, status = outcome
+            answered += status is not None
         retry = {"Retry-After": str(self.settings.retry_after_s)}
         if not tried:
             raise ServiceUnavailable(f"No healthy worker for model `{p.model}`.", code="no_healthy_worker",
@@ -69,8 +75,9 @@ class Sender:
         raise ServiceUnavailable(f"All {len(tried)} attempted workers failed; last: {last_error}",
                                  code="upstream_failed", headers=retry)
 
-    async def _attempt(self, request: Request, ex: Exchange) -> Response | str:
-        """The response, or why this worker failed (the request may go to another)."""
+    async def _attempt(self, request: Request, ex: Exchange) -> Response | tuple[str, int | None]:
+        """The response, or why this worker failed (the request may go to another) and the status it answered
+        (None: it never had the request)."""
         p, w = ex.prepared, ex.decision.worker
         self.pool.acquire(w, ex.prefill_tokens)
         self.router.dispatched(p, w)
@@ -113,7 +120,7 @@ class Sender:
                             headers=self.relay.headers(ex))
         except NotSent as exc:  # the worker never had the request: another one may take it
             self._failed(w, str(exc), exc.kind)
-            return f"worker {w}: {exc}"
+            return f"worker {w}: {exc}", None
         except Lost as exc:  # the worker had it and was lost: not handed to the next one
             self._failed(w, str(exc), exc.kind)
             raise _lost(w, exc) from exc
@@ -121,7 +128,7 @@ class Sender:
             if not handed_off:
                 self.pool.release(w, ex.prefill_tokens)
 
-    async def _refused(self, ex: Exchange, upstream: UpstreamResponse) -> Response | str:
+    async def _refused(self, ex: Exchange, upstream: UpstreamResponse) -> Response | tuple[str, int | None]:
         w, status = ex.decision.worker, upstream.status
         if status < 500:
             # The worker judged the request; its answer goes back unchanged.
@@ -136,7 +143,7 @@ class Sender:
             # The worker did not take the request (overloaded, starting, a proxy in front of it failed):
             # another worker may.
             self._failed(w, f"HTTP {status}: {text}", "status_5xx")
-            return f"worker {w} answered {status}"
+            return f"worker {w} answered {status}", status
         # The worker took the request and failed on it (vLLM answers 500 when its engine dies of it): a
         # retry would hand the same request to every worker in turn. Not a health failure either: a
         # repeated bad request would otherwise empty the fleet.
