@@ -201,3 +201,62 @@ def test_worker_errors_are_put_in_openai_shape(content: bytes, status: int, mess
     assert (err["message"], err["code"], media) == (message, code, "application/json")
     vllm = b'{"error": {"message": "m", "type": "BadRequestError", "param": null, "code": 400}}'
     assert worker_error(vllm, 400, "application/json") == (vllm, "application/json")
+
+
+async def test_a_client_gone_mid_body_is_a_disconnect_not_a_validation_gap(make_cluster: Any,
+                                                                           caplog: pytest.LogCaptureFixture) -> None:
+    # Found probing framing by hand (docs/hostile-input.md): a body cut short (or broken chunked framing,
+    # which makes the server drop the client) surfaced as Starlette's ClientDisconnect, which the proxy's
+    # catch-all logged with a traceback as input that broke preparation.
+    import asyncio
+    import time
+
+    c = await make_cluster(n=1)
+    port = int(c.url.rsplit(":", 1)[1])
+    _, w = await asyncio.open_connection("127.0.0.1", port)
+    w.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: 100\r\n\r\n{\"model\": ")
+    await w.drain()
+    w.close()
+    await w.wait_closed()
+    async with httpx.AsyncClient(base_url=c.url, timeout=30) as h:
+        deadline = time.monotonic() + 20
+        while "kvgate_client_disconnects_total 1.0" not in (await h.get("/metrics")).text:
+            assert time.monotonic() < deadline, "the disconnect was never counted"
+            await asyncio.sleep(0.05)
+        assert (await h.get("/health")).status_code == 200
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")], caplog.text[-2000:]
+
+
+async def raw_http(port: int, data: bytes) -> bytes:
+    """What the gateway answers to ``data`` written as is on a new connection (framing no client would send)."""
+    import asyncio
+
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    w.write(data)
+    await w.drain()
+    head = await r.readuntil(b"\r\n\r\n")
+    length = next((int(x.split(b":")[1]) for x in head.split(b"\r\n") if x.lower().startswith(b"content-length:")), 0)
+    body = await r.readexactly(length)
+    w.close()
+    return head + body
+
+
+@pytest.mark.parametrize(("name", "request_head", "body", "status"), [
+    # Refused from the declared length alone, before any of the body is read.
+    ("declared", b"content-length: 999999999999\r\n", b"", b"413"),
+    # No length declared: counted as it arrives.
+    ("chunked", b"transfer-encoding: chunked\r\n", (b"100000\r\n" + b"a" * 0x100000 + b"\r\n") * 9 + b"0\r\n\r\n",
+     b"413"),
+])
+async def test_oversized_bodies_are_413_in_openai_shape_however_framed(make_cluster: Any, name: str,
+                                                                       request_head: bytes, body: bytes,
+                                                                       status: bytes) -> None:
+    c = await make_cluster(n=1)
+    port = int(c.url.rsplit(":", 1)[1])
+    for path in (b"/v1/chat/completions", b"PATCH /admin/policy"):
+        line = b"POST " + path if path.startswith(b"/") else path
+        got = await raw_http(port, line + b" HTTP/1.1\r\nhost: x\r\n" + request_head + b"\r\n" + body)
+        head, _, payload = got.partition(b"\r\n\r\n")
+        assert head.split(b" ")[1] == status, got[:300]
+        assert json.loads(payload)["error"]["code"] == "request_too_large", (name, path)
