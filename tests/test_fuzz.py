@@ -235,8 +235,10 @@ CHAT_OPTIONAL: dict[str, st.SearchStrategy[Any]] = {
     "response_format": st.just({"type": "json_object"}),
 }
 
-CHAT = st.fixed_dictionaries({"model": st.just(MODEL), "messages": st.lists(message(), min_size=1, max_size=5)},
-                             optional=CHAT_OPTIONAL)
+# Now and then thousands of messages: validated and rendered off the event loop past 512.
+MESSAGES = st.integers(0, 29).flatmap(lambda i: st.lists(message(), min_size=1, max_size=5) if i else st.builds(
+    lambda ms, n: (ms * n)[:n], st.lists(message(), min_size=1, max_size=3), st.integers(500, 3000)))
+CHAT = st.fixed_dictionaries({"model": st.just(MODEL), "messages": MESSAGES}, optional=CHAT_OPTIONAL)
 COMPLETION = st.fixed_dictionaries(
     {"model": st.just(MODEL),
      "prompt": TEXT | st.lists(TEXT, min_size=1, max_size=3) | st.lists(st.integers(-5, 70_000), min_size=1,
@@ -464,7 +466,7 @@ FUZZ = settings(derandomize=True, database=None, deadline=None, print_blob=False
                 suppress_health_check=list(HealthCheck))
 SCALE = float(os.environ.get("KVGATE_FUZZ_SCALE", "1"))
 """A longer (or shorter) local run: KVGATE_FUZZ_SCALE=5 draws five times as many requests per endpoint."""
-N_CHAT, N_COMPLETION, N_ADMIN, N_PATCH, N_RAW = (max(1, round(n * SCALE)) for n in (600, 250, 150, 200, 100))
+N_CHAT, N_COMPLETION, N_ADMIN, N_PATCH, N_RAW = (max(1, round(n * SCALE)) for n in (500, 200, 120, 180, 100))
 
 
 ADMIN_PATHS = st.sampled_from(["/admin/policy", "/admin/workers", "/admin/tiers", "/v1/models", "/health", "/ready",
