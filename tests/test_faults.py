@@ -130,8 +130,8 @@ class CrashingWorker:
         self.requests = 0
         self.server: asyncio.Server | None = None
 
-    async def start(self) -> str:
-        self.server = await asyncio.start_server(self._conn, "127.0.0.1", 0)
+    async def start(self, port: int = 0) -> str:
+        self.server = await asyncio.start_server(self._conn, "127.0.0.1", port)
         return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
 
     async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -219,10 +219,13 @@ async def test_workers_answering_502_are_tried_twice_not_every_one() -> None:
 async def test_refused_connections_still_use_every_attempt(model_dir: Path) -> None:
     # Workers that never got the request (they stopped listening after their last health check) do not
     # count against the two: the request is safe to send on, up to max_attempts.
+    # Round robin starts at the first worker in id order ("127.0.0.1:PORT", compared as text): the gone
+    # ones get the three first ports so the request meets all of them before the live one.
+    ports = sorted((free_port() for _ in range(4)), key=lambda p: f"127.0.0.1:{p}")
     gone = [CrashingWorker(b"") for _ in range(3)]
-    urls = [await w.start() for w in gone]
+    urls = [await w.start(port) for w, port in zip(gone, ports, strict=False)]
     sim = SimWorker(SimSettings(model_dir=str(model_dir), hash_seed="0"))
-    live = await start_server(sim.build_app())
+    live = await start_server(sim.build_app(), port=ports[3])
     settings = GatewaySettings(workers=[WorkerConfig(url=u, model=MODEL, engine="sim") for u in [*urls, live.url]],
                                max_attempts=4, health_interval_s=30, policy="round_robin")
     gw = await start_server(create_app(settings))

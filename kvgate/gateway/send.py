@@ -7,9 +7,8 @@ one says the request, not the worker, is the likelier cause. A worker that had t
 failed on it is not handed the next one: a 500 is answered as the client's error (400
 ``upstream_request_failed``), a connection lost before the first byte as 502 (``upstream_connection_lost``
 or ``upstream_timeout``). A worker's own 4xx answer goes back with its status and message, in OpenAI's
-error shape whatever the engine's. After the first byte a failure
-ends the stream with an SSE error event (``relay.py``). A client that disconnects closes the upstream
-request, which makes vLLM abort it.
+error shape whatever the engine's. After the first byte a failure ends the stream with an SSE error event
+(``relay.py``). A client that disconnects closes the upstream request, which makes vLLM abort it.
 """
 
 from __future__ import annotations
