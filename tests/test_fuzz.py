@@ -2,8 +2,9 @@
 endpoint. Requests are generated (hypothesis, derandomized: CI replays the same ones) from valid ones by
 mutating fields (wrong types, huge, deep, empty, unicode edge cases, NaN and huge numbers), encodings
 (invalid UTF-8, lone surrogates, BOMs, truncation) and headers (content type, credentials, tenant and
-conversation ids). Each goes to one of two real gateway processes (auth off; API keys and JWTs on) in
-front of two simulated workers. No answer may be a 5xx, every 4xx must be OpenAI-shaped, no input may
+conversation ids). Each goes to one of two real gateway processes (auth off, conversations in memory; API
+keys and JWTs on, conversations in the local Redis) in front of a simulated vLLM and a simulated SGLang
+worker. No answer may be a 5xx, every 4xx must be OpenAI-shaped, no input may
 reach the proxy's catch-all, and afterwards the gateways are healthy, serve a normal request, and their
 memory grew by a bounded amount.
 
@@ -20,6 +21,7 @@ import math
 import os
 import re
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +31,7 @@ from urllib.parse import quote
 import httpx
 import jwt
 import pytest
+import redis
 import yaml
 from cryptography.hazmat.primitives.asymmetric import rsa
 from hypothesis import HealthCheck, given, settings
@@ -41,6 +44,7 @@ from tests.conftest import MODEL, Proc, free_port
 # --- the fleet under test -------------------------------------------------------------------------------
 
 TENANT_KEY, OPERATOR_KEY, NOROLE_KEY = "fz-tenant-key", "fz-operator-key", "fz-none-key"
+REDIS_URL = "redis://127.0.0.1:6379/0"
 MAX_BODY = 1024 * 1024
 """The gateways' body limit: smaller than the default 8 MiB so an oversized body costs the fuzz little."""
 
@@ -63,6 +67,7 @@ class Fleet:
     open: Gw
     secured: Gw
     jwt_key: Any
+    redis_prefix: str
     response_ids: list[str] = field(default_factory=list)
     """Ids of responses the gateways returned: continuations (previous_response_id) draw from them."""
 
@@ -86,6 +91,7 @@ def wait_http(p: Proc, url: str, timeout_s: float = 60.0) -> None:
 def fleet(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[Fleet]:
     tmp = tmp_path_factory.mktemp("fuzz")
     procs: list[Proc] = []
+    redis_prefix = f"kvgate-fuzz:{uuid.uuid4().hex[:8]}:"
     env = {"PYTHONHASHSEED": "0"}
     try:
         sims = []
@@ -117,9 +123,12 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator
             "jwt": {"jwks_file": str(tmp / "jwks.json"), "tenant_claim": "org.id", "role_claim": "roles"},
         }
         gws = []
-        # The open gateway routes by the cost model (the default, and the most code); the secured one round
-        # robin, so the SGLang worker gets its half of the requests whatever the cost model prefers.
-        for name, extra in (("open", {}), ("secured", {"auth": secured_auth, "policy": "round_robin"})):
+        # The open gateway routes by the cost model (the default, and the most code) and keeps conversations
+        # in memory; the secured one routes round robin, so the SGLang worker gets its half of the requests
+        # whatever the cost model prefers, and keeps them in the local Redis (the store replicas share).
+        secured = {"auth": secured_auth, "policy": "round_robin", "session_store": "redis",
+                   "redis_url": REDIS_URL, "redis_prefix": redis_prefix, "session_ttl_s": 600}
+        for name, extra in (("open", {}), ("secured", secured)):
             port = free_port()
             cfg = tmp / f"{name}.yaml"
             cfg.write_text(yaml.safe_dump({**base, **extra, "port": port}))
@@ -128,10 +137,15 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator
             gws.append(Gw(f"http://127.0.0.1:{port}", p, "auth" in extra))
         for g in gws:
             wait_http(g.proc, g.url + "/ready")
-        yield Fleet(gws[0], gws[1], key)
+        yield Fleet(gws[0], gws[1], key, redis_prefix)
     finally:
         for p in procs:
             p.stop()
+        r = redis.Redis.from_url(REDIS_URL)
+        keys = list(r.scan_iter(match=redis_prefix + "*"))
+        if keys:
+            r.delete(*keys)
+        r.close()
 
 
 # --- strategies -----------------------------------------------------------------------------------------
@@ -601,6 +615,8 @@ def test_fuzz_hostile_requests(fleet: Fleet) -> None:
     print(f"slowest: {[(round(t, 2), w) for t, w in slow[:5]]}; "
           f"median {slow[len(slow) // 2][0] * 1000:.1f} ms")
     assert TALLY.requests >= 1000
+    with redis.Redis.from_url(REDIS_URL) as r:  # the secured gateway's conversations did go through Redis
+        assert next(r.scan_iter(match=fleet.redis_prefix + "*"), None) is not None
     assert not TALLY.findings, f"{len(TALLY.findings)} distinct problems:\n" + "\n".join(TALLY.findings.values())
     for gw in (fleet.open, fleet.secured):
         log = gw.proc.log_path.read_text(errors="replace")
