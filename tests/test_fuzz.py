@@ -461,11 +461,44 @@ def send(fleet: Fleet, client: httpx.Client, secured: bool, method: str, path: s
     h = {k.encode(): v for k, v in hdrs.items()}
     if secured and cred is not None:
         h.update({k.encode(): v for k, v in credential_headers(fleet, cred).items()})
+    if path.startswith("/v1/") and len(REPLAY) < N_CONCURRENT:
+        REPLAY.append((gw.url + path, method, content, h))
     t = time.monotonic()
     r = client.request(method, gw.url + path, content=content, headers=h)
     TALLY.seconds.append((time.monotonic() - t, f"{method} {path[:60]} {r.status_code} {len(content or b'')} bytes"))
     check(fleet, f"{method} {path} ({'secured' if secured else 'open'}) headers={h!r:.300} "
                  f"body={(content or b'')[:300]!r}", r)
+
+
+REPLAY: list[tuple[str, str, bytes | None, dict[bytes, bytes]]] = []
+"""The first inference requests the fuzz sent, sent again all at once (``replay_concurrently``)."""
+
+
+def replay_concurrently(fleet: Fleet) -> None:
+    """The fuzz sends one request at a time; this sends the first N_CONCURRENT inference ones again from 16
+    threads, so hostile requests interleave on the same few conversations (the fuzz's ids repeat)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    lock, local = threading.Lock(), threading.local()
+    clients: list[httpx.Client] = []
+
+    def one(req: tuple[str, str, bytes | None, dict[bytes, bytes]]) -> None:
+        url, method, content, h = req
+        if not hasattr(local, "client"):
+            local.client = httpx.Client(timeout=60)
+            with lock:
+                clients.append(local.client)
+        r = local.client.request(method, url, content=content, headers=h)
+        with lock:
+            check(fleet, f"concurrent {method} {url} headers={h!r:.300} body={(content or b'')[:300]!r}", r)
+
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(one, REPLAY))
+    finally:
+        for c in clients:
+            c.close()
 
 
 def with_known_ids(fleet: Fleet, doc: Any, pick: int) -> Any:
@@ -480,7 +513,8 @@ FUZZ = settings(derandomize=True, database=None, deadline=None, print_blob=False
                 suppress_health_check=list(HealthCheck))
 SCALE = float(os.environ.get("KVGATE_FUZZ_SCALE", "1"))
 """A longer (or shorter) local run: KVGATE_FUZZ_SCALE=5 draws five times as many requests per endpoint."""
-N_CHAT, N_COMPLETION, N_ADMIN, N_PATCH, N_RAW = (max(1, round(n * SCALE)) for n in (500, 200, 120, 180, 100))
+N_CHAT, N_COMPLETION, N_ADMIN, N_PATCH, N_RAW, N_CONCURRENT = (
+    max(1, round(n * SCALE)) for n in (500, 200, 120, 180, 100, 200))
 
 
 ADMIN_PATHS = st.sampled_from(["/admin/policy", "/admin/workers", "/admin/tiers", "/v1/models", "/health", "/ready",
@@ -594,6 +628,7 @@ def test_fuzz_hostile_requests(fleet: Fleet) -> None:
         probe = HealthProbe(fleet.open.url)
         try:
             fuzz_all(fleet, client)
+            replay_concurrently(fleet)
         finally:
             health = probe.stop()
         for gw in (fleet.open, fleet.secured):
