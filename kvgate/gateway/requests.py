@@ -1,7 +1,8 @@
 """Validation of client request bodies: clear OpenAI-style errors naming the field, nothing else.
 
 Only what kvgate itself relies on is checked; every other field passes through to the worker, which
-validates the rest (its 4xx answers go back to the client unchanged).
+validates the rest (its 4xx answers go back to the client with their status and message, in OpenAI's shape:
+``send.worker_error``).
 """
 
 from __future__ import annotations
