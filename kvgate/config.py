@@ -171,7 +171,8 @@ class GatewaySettings(YamlSettings):
     the loss explanation compares what the engine really cached; kept out of the client's response unless
     it asked. Sent only when every worker of the model is a vLLM one."""
     max_attempts: int = Field(2, ge=1, le=10)
-    """Workers tried for one request when they fail before the first byte."""
+    """Workers tried for one request when they never got it (refused connection, failed write); of those
+    that answered 502/503/504, two at most (kvgate/gateway/send.py)."""
     health_interval_s: float = Field(5.0, gt=0)
     """Active checks (``/health`` and ``/metrics``) every this long; an ejected worker is probed as often."""
     health_timeout_s: float = Field(2.0, gt=0)

@@ -130,8 +130,8 @@ class CrashingWorker:
         self.requests = 0
         self.server: asyncio.Server | None = None
 
-    async def start(self) -> str:
-        self.server = await asyncio.start_server(self._conn, "127.0.0.1", 0)
+    async def start(self, port: int = 0) -> str:
+        self.server = await asyncio.start_server(self._conn, "127.0.0.1", port)
         return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
 
     async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -185,3 +185,62 @@ async def test_a_request_that_crashes_a_worker_is_not_handed_to_the_next_one(ans
         for w in workers:
             assert w.server is not None
             w.server.close()
+
+
+BODY_502 = b'{"error": {"message": "upstream connect error", "code": 502}}'
+ANSWER_502 = (b"HTTP/1.1 502 Bad Gateway\r\ncontent-type: application/json\r\n"
+              b"content-length: %d\r\nconnection: close\r\n\r\n" % len(BODY_502)) + BODY_502
+
+
+async def test_workers_answering_502_are_tried_twice_not_every_one() -> None:
+    # A proxy in front of each engine answers 502 when the request kills the engine: the first is retried on
+    # one other worker (the worker may have been the cause), not on all of them.
+    workers = [CrashingWorker(ANSWER_502) for _ in range(5)]
+    urls = [await w.start() for w in workers]
+    settings = GatewaySettings(workers=[WorkerConfig(url=u, model=MODEL, engine="sim") for u in urls],
+                               max_attempts=5, health_interval_s=30)
+    gw = await start_server(create_app(settings))
+    try:
+        async with httpx.AsyncClient(timeout=10) as h:
+            r = await h.post(gw.url + "/v1/chat/completions",
+                             json={"model": MODEL, "messages": [{"role": "user", "content": "poison"}]})
+            text = (await h.get(gw.url + "/metrics")).text
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert r.json()["error"]["code"] == "upstream_failed"
+        assert sum(w.requests for w in workers) == 2
+        assert "kvgate_retries_total 1.0" in text
+    finally:
+        await gw.stop()
+        for w in workers:
+            assert w.server is not None
+            w.server.close()
+
+
+async def test_refused_connections_still_use_every_attempt(model_dir: Path) -> None:
+    # Workers that never got the request (they stopped listening after their last health check) do not
+    # count against the two: the request is safe to send on, up to max_attempts.
+    # Round robin starts at the first worker in id order ("127.0.0.1:PORT", compared as text): the gone
+    # ones get the three first ports so the request meets all of them before the live one.
+    ports = sorted((free_port() for _ in range(4)), key=lambda p: f"127.0.0.1:{p}")
+    gone = [CrashingWorker(b"") for _ in range(3)]
+    urls = [await w.start(port) for w, port in zip(gone, ports, strict=False)]
+    sim = SimWorker(SimSettings(model_dir=str(model_dir), hash_seed="0"))
+    live = await start_server(sim.build_app(), port=ports[3])
+    settings = GatewaySettings(workers=[WorkerConfig(url=u, model=MODEL, engine="sim") for u in [*urls, live.url]],
+                               max_attempts=4, health_interval_s=30, policy="round_robin")
+    gw = await start_server(create_app(settings))
+    try:
+        for w in gone:
+            assert w.server is not None
+            w.server.close()
+            await w.server.wait_closed()
+        async with httpx.AsyncClient(timeout=10) as h:
+            r = await h.post(gw.url + "/v1/chat/completions", json={
+                "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+            text = (await h.get(gw.url + "/metrics")).text
+        assert r.status_code == 200, r.text
+        assert "kvgate_retries_total 3.0" in text
+        assert sum(w.requests for w in gone) == 0
+    finally:
+        await gw.stop()
+        await live.stop()

@@ -3,6 +3,7 @@ every entry point, never a 5xx, and the gateway stays healthy."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -10,6 +11,7 @@ import httpx
 import pytest
 
 from kvgate import safejson
+from kvgate.gateway.send import worker_error
 from tests.conftest import MODEL
 
 CHAT = b'{"model": "' + MODEL.encode() + b'", "messages": [{"role": "user", "content": %s}]}'
@@ -108,7 +110,9 @@ async def test_2mb_prompt_does_not_delay_health_and_is_refused_before_tokenizing
         body = json.dumps(big_chat(2_000_000)).encode()  # encoded before: the client shares the loop
         probe = HealthProbe(c.url)
         r = await h.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
-        worst = probe.stop()
+        # Off the loop: the probe's last /health may still be waiting for this loop to answer it, and a join
+        # here would hold the loop until that request timed out (60 s, and its latency lost).
+        worst = await asyncio.to_thread(probe.stop)
     print(f"WORST {worst*1000:.1f} ms")
     assert r.status_code == 400, r.text[:300]
     err = r.json()["error"]
@@ -131,3 +135,128 @@ async def test_prompt_over_context_by_exact_count_is_refused_by_the_gateway(make
         ok = await h.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2,
                                                          "messages": [{"role": "user", "content": "hi"}]})
         assert ok.status_code == 200, ok.text
+
+
+# Found by the fuzz (tests/test_fuzz.py) or asked for by issue 11; each against a real gateway.
+
+async def test_out_of_range_token_ids_are_a_400_naming_the_id(make_cluster: Any) -> None:
+    # Negative ids broke the gateway's own token array (unsigned 32-bit) and reached the catch-all.
+    c = await make_cluster(n=1)
+    async with httpx.AsyncClient(base_url=c.url, timeout=30) as h:
+        for prompt, bad in (([853, 593, -5, 261], 2), ([2**32], 0), ([1, 2**40], 1)):
+            r = await h.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert (err["code"], err["param"]) == ("invalid_value", f"prompt[{bad}]"), err
+        ok = await h.post("/v1/completions", json={"model": MODEL, "prompt": [853, 593, 261], "max_tokens": 2})
+        assert ok.status_code == 200, ok.text
+
+
+async def test_policy_patch_with_infinite_or_huge_decode_coefficient_changes_nothing(make_cluster: Any) -> None:
+    c = await make_cluster(n=1)
+    async with httpx.AsyncClient(base_url=c.url, timeout=30) as h:
+        before = (await h.get("/admin/policy")).json()
+        for body in (b'{"cost": {"decode_u1_ms": Infinity}}',  # not JSON: refused by the parser
+                     b'{"cost": {"decode_u1_ms": 1e999}}',
+                     b'{"cost": {"decode_u1_ms": "Infinity", "affinity_bonus_ms": 9}}',
+                     b'{"cost": {"decode_u2_ms": -1e9}, "waits": {"reserve_max_s": 1}}'):
+            r = await h.patch("/admin/policy", content=body)
+            assert r.status_code in (400, 422), (body, r.status_code, r.text)
+            assert r.json()["error"]["type"] == "invalid_request_error"
+            assert (await h.get("/admin/policy")).json() == before, body
+        assert c.gateway.cost.params.decode_u1_ms == before["cost"]["decode_u1_ms"]
+
+
+async def test_a_request_the_worker_rejected_leaves_no_conversation(make_cluster: Any) -> None:
+    c = await make_cluster(n=1)
+    async with httpx.AsyncClient(base_url=c.url, timeout=30) as h:
+        # The simulated worker (like vLLM) refuses max_tokens beyond its context; the gateway passes it on.
+        r = await h.post("/v1/chat/completions", headers={"x-conversation-id": "rejected"}, json={
+            "model": MODEL, "max_tokens": 10**6, "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400, r.text
+        assert (await h.get("/admin/conversations/rejected")).status_code == 404
+        ok = await h.post("/v1/chat/completions", headers={"x-conversation-id": "accepted"}, json={
+            "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+        assert ok.status_code == 200, ok.text
+        assert (await h.get("/admin/conversations/accepted")).json()["turn_count"] == 1
+
+
+async def test_an_sglang_workers_error_reaches_the_client_in_openai_shape(make_cluster: Any) -> None:
+    # SGLang answers {"object": "error", "message", ...}; passed on unchanged, it was the one 4xx a client of
+    # kvgate could get without an "error" object (the fuzz's mixed fleet found it).
+    c = await make_cluster(n=1, per_sim=[{"engine": "sglang"}])
+    async with httpx.AsyncClient(base_url=c.url, timeout=30) as h:
+        r = await h.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 10**6})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "BadRequestError" and err["code"] == 400 and "context length" in err["message"], err
+
+
+@pytest.mark.parametrize(("content", "status", "message", "code"), [
+    (b'{"error": "Unauthorized"}', 401, "Unauthorized", 401),  # vLLM's --api-key check
+    (b"upstream says no", 429, "upstream says no", 429),  # a proxy in front of the worker
+    (b"", 404, "The worker answered HTTP 404.", 404),
+    (b'{"object": "error", "message": "m", "type": "T", "code": "c"}', 400, "m", "c"),
+])
+def test_worker_errors_are_put_in_openai_shape(content: bytes, status: int, message: str, code: object) -> None:
+    body, media = worker_error(content, status, "text/plain")
+    err = json.loads(body)["error"]
+    assert (err["message"], err["code"], media) == (message, code, "application/json")
+    vllm = b'{"error": {"message": "m", "type": "BadRequestError", "param": null, "code": 400}}'
+    assert worker_error(vllm, 400, "application/json") == (vllm, "application/json")
+
+
+async def test_a_client_gone_mid_body_is_a_disconnect_not_a_validation_gap(make_cluster: Any,
+                                                                           caplog: pytest.LogCaptureFixture) -> None:
+    # Found probing framing by hand (docs/hostile-input.md): a body cut short (or broken chunked framing,
+    # which makes the server drop the client) surfaced as Starlette's ClientDisconnect, which the proxy's
+    # catch-all logged with a traceback as input that broke preparation.
+    import time
+
+    c = await make_cluster(n=1)
+    port = int(c.url.rsplit(":", 1)[1])
+    _, w = await asyncio.open_connection("127.0.0.1", port)
+    w.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: 100\r\n\r\n{\"model\": ")
+    await w.drain()
+    w.close()
+    await w.wait_closed()
+    async with httpx.AsyncClient(base_url=c.url, timeout=30) as h:
+        deadline = time.monotonic() + 20
+        while "kvgate_client_disconnects_total 1.0" not in (await h.get("/metrics")).text:
+            assert time.monotonic() < deadline, "the disconnect was never counted"
+            await asyncio.sleep(0.05)
+        assert (await h.get("/health")).status_code == 200
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")], caplog.text[-2000:]
+
+
+async def raw_http(port: int, data: bytes) -> bytes:
+    """What the gateway answers to ``data`` written as is on a new connection (framing no client would send)."""
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    w.write(data)
+    await w.drain()
+    head = await r.readuntil(b"\r\n\r\n")
+    length = next((int(x.split(b":")[1]) for x in head.split(b"\r\n") if x.lower().startswith(b"content-length:")), 0)
+    body = await r.readexactly(length)
+    w.close()
+    return head + body
+
+
+@pytest.mark.parametrize(("name", "request_head", "body", "status"), [
+    # Refused from the declared length alone, before any of the body is read.
+    ("declared", b"content-length: 999999999999\r\n", b"", b"413"),
+    # No length declared: counted as it arrives.
+    ("chunked", b"transfer-encoding: chunked\r\n", (b"100000\r\n" + b"a" * 0x100000 + b"\r\n") * 9 + b"0\r\n\r\n",
+     b"413"),
+])
+async def test_oversized_bodies_are_413_in_openai_shape_however_framed(make_cluster: Any, name: str,
+                                                                       request_head: bytes, body: bytes,
+                                                                       status: bytes) -> None:
+    c = await make_cluster(n=1)
+    port = int(c.url.rsplit(":", 1)[1])
+    for path in (b"/v1/chat/completions", b"PATCH /admin/policy"):
+        line = b"POST " + path if path.startswith(b"/") else path
+        got = await raw_http(port, line + b" HTTP/1.1\r\nhost: x\r\n" + request_head + b"\r\n" + body)
+        head, _, payload = got.partition(b"\r\n\r\n")
+        assert head.split(b" ")[1] == status, got[:300]
+        assert json.loads(payload)["error"]["code"] == "request_too_large", (name, path)

@@ -92,3 +92,34 @@ def test_a_bad_section_changes_no_section(changes: object, err: type[ApiError], 
         log.apply(target, changes, "bob", "http")
     assert info.value.param == param
     assert target.current() == before and log.recent() == []
+
+
+@pytest.mark.parametrize(("changes", "param"), [
+    # pydantic's lax mode reads the string "Infinity" as a float: checked after validation, not only before.
+    ({"cost": {"p0_ms": "Infinity"}}, "cost.p0_ms"),
+    ({"cost": {"decode_u1_ms": "-inf"}}, "cost.decode_u1_ms"),
+    ({"cost": {"decode_u1_ms": -1e9}}, "cost.decode_u1_ms"),
+    ({"cost": {"affinity_bonus_ms": 1e300}}, "cost.affinity_bonus_ms"),
+    ({"cost": {"kv_capacity_tokens": 10**90}}, "cost.kv_capacity_tokens"),
+    # Each within ±1e7, but together a decode step of -4 ms at full KV occupancy.
+    ({"cost": {"decode_ms": 6.0, "decode_u2_ms": -10.0}}, "cost"),
+    ({"waits": {"tool_priors_s": {"grep": -1.0}}}, "waits.tool_priors_s"),
+    ({"waits": {"tool_priors_s": {f"t{i}": 1.0 for i in range(2000)}}}, "waits.tool_priors_s"),
+    ({"waits": {"tool_priors_s": {"x" * 1000: 1.0}}}, "waits.tool_priors_s"),
+    ({"waits": {"max_keys": 10**12}}, "waits.max_keys"),
+    ({"cost": {"backlog_weight": 2.0}, "prefill": {"settle_s": 1e12}}, "prefill.settle_s"),
+])
+def test_unbounded_or_non_finite_values_are_refused_whole(changes: object, param: str) -> None:
+    target, log = _Sections(), PolicyLog()
+    before = target.current()
+    with pytest.raises(UnprocessableEntity) as info:
+        log.apply(target, changes, "mallory", "http")
+    assert info.value.param == param, info.value.message
+    assert target.current() == before and log.recent() == []
+
+
+def test_a_fitted_decode_curve_with_a_negative_term_is_accepted() -> None:
+    # Dynamo's mocker profile: u2 < 0, yet the decode step stays positive over the whole occupancy range.
+    model, log = CostModel(), PolicyLog()
+    log.apply(model, {"decode_ms": 5.74, "decode_u1_ms": 54.01, "decode_u2_ms": -25.74}, "alice", "http")
+    assert model.params.decode_u2_ms == -25.74

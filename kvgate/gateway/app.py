@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from kvgate.clock import Clock, MonotonicClock
 from kvgate.config import GatewaySettings
@@ -244,6 +245,12 @@ def create_app(settings: GatewaySettings, clock: Clock | None = None,
         err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
         param = ".".join(str(p) for p in err["loc"][1:]) or None
         return JSONResponse(error_body(str(err["msg"]), "invalid_request_error", param, None), status_code=400)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, exc: ClientDisconnect) -> Response:
+        # An admin request whose client left while its body was arriving: nobody reads the answer, and it
+        # is not the gateway's failure (the 499 of nginx and of the proxy's own requests).
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:

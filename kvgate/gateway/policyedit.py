@@ -21,6 +21,15 @@ if TYPE_CHECKING:
     from kvgate.gateway.runtime import SessionRuntime
 
 MAX_REASON = 1024
+MAX_ABS = 1e7
+"""Every real-valued parameter is finite and within ±1e7: milliseconds, weights, fractions and GB/s are all
+far below it, and an absurd value (1e300) would overflow the cost model's arithmetic into inf and NaN."""
+MAX_INT = 2**40
+"""Counts and capacities (tokens, bytes per token, window sizes) stay below 2^40 (~1.1e12): past the largest
+real KV capacity, and exact as floats in the cost model's arithmetic."""
+MAX_ENTRIES = 1024
+"""Entries of a map parameter (per-tool wait priors): each is a per-request lookup and lives in memory."""
+MAX_KEY_CHARS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,17 +70,49 @@ def validate(current: dict[str, BaseModel], changes: Any) -> dict[str, BaseModel
     for section, fields in changes.items():
         if section not in current or not isinstance(fields, dict):
             raise BadRequest(f"expected {{{expected}: {{field: value}}}}", param=str(section), code="invalid_type")
-        bad = next((k for k, v in fields.items() if isinstance(v, float) and not math.isfinite(v)), None)
-        if bad is not None:
-            raise UnprocessableEntity(f"{section}.{bad}: must be a finite number", param=f"{section}.{bad}",
-                                      code="invalid_value")
+        # Values as given first, so the error names the field rather than a check across fields it upset.
+        for k, v in fields.items():
+            problem = _out_of_bounds(v) if isinstance(v, int | float | dict) else None
+            if problem is not None:
+                raise UnprocessableEntity(f"{section}.{k}: {problem}", param=f"{section}.{k}", code="invalid_value")
         try:
             new[section] = type(current[section]).model_validate({**current[section].model_dump(), **fields})
         except ValidationError as exc:
             err = exc.errors()[0]
-            raise UnprocessableEntity(f"{section}.{'.'.join(str(x) for x in err['loc'])}: {err['msg']}",
-                                      param=f"{section}.{err['loc'][0]}", code="invalid_value") from None
+            loc = err["loc"]  # empty for a check across fields (the decode curve)
+            where = ".".join((section, *(str(x) for x in loc)))
+            raise UnprocessableEntity(f"{where}: {err['msg']}", param=f"{section}.{loc[0]}" if loc else section,
+                                      code="invalid_value") from None
+        # And as validated: each field states its own range, but few an upper end, and pydantic's lax mode
+        # reads strings ("1e300") as numbers.
+        for name in type(new[section]).model_fields:
+            problem = _out_of_bounds(getattr(new[section], name))
+            if problem is not None:
+                raise UnprocessableEntity(f"{section}.{name}: {problem}", param=f"{section}.{name}",
+                                          code="invalid_value")
     return new
+
+
+def _out_of_bounds(v: Any) -> str | None:
+    """Why a validated parameter value is unacceptable whatever its field's own range says, or None."""
+    if isinstance(v, bool) or v is None or isinstance(v, str):
+        return None
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return "must be a finite number"
+        return None if abs(v) <= MAX_ABS else f"must be within ±{MAX_ABS:g}"
+    if isinstance(v, int):
+        return None if abs(v) <= MAX_INT else f"must be within ±{MAX_INT} (2^40)"
+    if isinstance(v, dict):
+        if len(v) > MAX_ENTRIES:
+            return f"at most {MAX_ENTRIES} entries"
+        for k, x in v.items():
+            if isinstance(k, str) and len(k) > MAX_KEY_CHARS:
+                return f"keys of at most {MAX_KEY_CHARS} characters"
+            problem = _out_of_bounds(x)
+            if problem is not None:
+                return f"[{str(k)[:40]}] {problem}"
+    return None
 
 
 def validate_cost(current: CostParams, cost: Any) -> CostParams:

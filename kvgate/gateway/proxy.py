@@ -8,6 +8,7 @@ import logging
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from kvgate.errors import ApiError, BadRequest
 from kvgate.gateway.auth import Authenticator, require
@@ -37,6 +38,10 @@ class Proxy:
                 prepared = await self.preparer.prepare(request, endpoint, trace, principal)
             except (ApiError, ClientGone):
                 raise
+            except ClientDisconnect:
+                # Gone while its body was still arriving (or its framing was broken, which makes the
+                # server drop it): no one to answer, and not a validation gap.
+                raise ClientGone() from None
             except Exception as exc:
                 # Preparing reads only the client's request (and the conversation it names): whatever
                 # input gets past validation and still breaks it is the client's input, answered 400,

@@ -1,7 +1,8 @@
 """Validation of client request bodies: clear OpenAI-style errors naming the field, nothing else.
 
 Only what kvgate itself relies on is checked; every other field passes through to the worker, which
-validates the rest (its 4xx answers go back to the client unchanged).
+validates the rest (its 4xx answers go back to the client with their status and message, in OpenAI's shape:
+``send.worker_error``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from kvgate.errors import BadRequest, UnprocessableEntity
 
 KVGATE_FIELDS = ("conversation_id", "reasoning_policy", "previous_response_id")
 """Request fields that belong to kvgate and are removed before forwarding."""
+
+MAX_TOKEN_ID = 2**31
+"""Token ids in a completion prompt are below this (vLLM and SGLang take them as 32-bit signed)."""
 
 _ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 
@@ -92,3 +96,8 @@ def validate_completion(body: dict[str, Any]) -> None:
              or all(isinstance(t, str) for t in prompt))
     )
     _type(ok, "prompt", "a string, an array of strings or an array of token ids")
+    if isinstance(prompt, list) and isinstance(prompt[0], int) and not all(0 <= t < MAX_TOKEN_ID for t in prompt):
+        # kvgate holds token ids as unsigned 32-bit (array "I"); engines' vocabularies are far smaller.
+        bad = next(i for i, t in enumerate(prompt) if not 0 <= t < MAX_TOKEN_ID)
+        raise BadRequest(f"'prompt[{bad}]' must be a token id between 0 and {MAX_TOKEN_ID - 1}",
+                         param=f"prompt[{bad}]", code="invalid_value")

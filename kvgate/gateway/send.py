@@ -1,27 +1,31 @@
 """Sending a prepared request: pick a worker, send, and retry where that is safe.
 
 Only a request the worker never had goes to another worker (up to ``max_attempts`` workers): a refused
-or timed-out connection, a failed write, or a 502/503/504 answer. A worker that had the request and
+or timed-out connection, a failed write, or a 502/503/504 answer. A 502/503/504 is retried on one other
+worker at most: it may come from a proxy in front of an engine the request itself killed, and a second
+one says the request, not the worker, is the likelier cause. A worker that had the request and
 failed on it is not handed the next one: a 500 is answered as the client's error (400
 ``upstream_request_failed``), a connection lost before the first byte as 502 (``upstream_connection_lost``
-or ``upstream_timeout``). A worker's own 4xx answer goes back unchanged. After the first byte a failure
-ends the stream with an SSE error event (``relay.py``). A client that disconnects closes the upstream
-request, which makes vLLM abort it.
+or ``upstream_timeout``). A worker's own 4xx answer goes back with its status and message, in OpenAI's
+error shape whatever the engine's. After the first byte a failure ends the stream with an SSE error event
+(``relay.py``). A client that disconnects closes the upstream request, which makes vLLM abort it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from kvgate import safejson
 from kvgate.clock import Clock
 from kvgate.config import GatewaySettings
-from kvgate.errors import BadGateway, BadRequest, ServiceUnavailable
+from kvgate.errors import BadGateway, BadRequest, ServiceUnavailable, error_body
 from kvgate.gateway.exchange import PATHS, ClientGone, Exchange, Prepared
 from kvgate.gateway.relay import Relay
 from kvgate.gateway.route import Router
@@ -47,7 +51,10 @@ class Sender:
         plan = await self.router.plan(p)
         tried: set[WorkerId] = set()
         last_error = ""
+        answered = 0  # workers that answered 502/503/504
         for attempt in range(self.settings.max_attempts):
+            if answered >= 2:
+                break
             decision = self.router.pick(p, plan, tried)
             if decision is None:
                 break
@@ -61,7 +68,8 @@ class Sender:
             p.trace.attempted(ex, outcome)
             if isinstance(outcome, Response):
                 return outcome
-            last_error = outcome
+            last_error, status = outcome
+            answered += status is not None
         retry = {"Retry-After": str(self.settings.retry_after_s)}
         if not tried:
             raise ServiceUnavailable(f"No healthy worker for model `{p.model}`.", code="no_healthy_worker",
@@ -69,8 +77,9 @@ class Sender:
         raise ServiceUnavailable(f"All {len(tried)} attempted workers failed; last: {last_error}",
                                  code="upstream_failed", headers=retry)
 
-    async def _attempt(self, request: Request, ex: Exchange) -> Response | str:
-        """The response, or why this worker failed (the request may go to another)."""
+    async def _attempt(self, request: Request, ex: Exchange) -> Response | tuple[str, int | None]:
+        """The response, or why this worker failed (the request may go to another) and the status it answered
+        (None: it never had the request)."""
         p, w = ex.prepared, ex.decision.worker
         self.pool.acquire(w, ex.prefill_tokens)
         self.router.dispatched(p, w)
@@ -113,7 +122,7 @@ class Sender:
                             headers=self.relay.headers(ex))
         except NotSent as exc:  # the worker never had the request: another one may take it
             self._failed(w, str(exc), exc.kind)
-            return f"worker {w}: {exc}"
+            return f"worker {w}: {exc}", None
         except Lost as exc:  # the worker had it and was lost: not handed to the next one
             self._failed(w, str(exc), exc.kind)
             raise _lost(w, exc) from exc
@@ -121,22 +130,22 @@ class Sender:
             if not handed_off:
                 self.pool.release(w, ex.prefill_tokens)
 
-    async def _refused(self, ex: Exchange, upstream: UpstreamResponse) -> Response | str:
+    async def _refused(self, ex: Exchange, upstream: UpstreamResponse) -> Response | tuple[str, int | None]:
         w, status = ex.decision.worker, upstream.status
         if status < 500:
-            # The worker judged the request; its answer goes back unchanged.
+            # The worker judged the request; its answer goes back, in OpenAI's shape.
             try:
                 content = await upstream.read()
             finally:
                 await upstream.close()
-            return Response(content, status_code=status, media_type=upstream.header("content-type"),
-                            headers=self.relay.headers(ex))
+            content, media = worker_error(content, status, upstream.header("content-type"))
+            return Response(content, status_code=status, media_type=media, headers=self.relay.headers(ex))
         text = await _error_text(upstream)
         if status in (502, 503, 504):
             # The worker did not take the request (overloaded, starting, a proxy in front of it failed):
             # another worker may.
             self._failed(w, f"HTTP {status}: {text}", "status_5xx")
-            return f"worker {w} answered {status}"
+            return f"worker {w} answered {status}", status
         # The worker took the request and failed on it (vLLM answers 500 when its engine dies of it): a
         # retry would hand the same request to every worker in turn. Not a health failure either: a
         # repeated bad request would otherwise empty the fleet.
@@ -147,6 +156,34 @@ class Sender:
     def _failed(self, w: WorkerId, error: str, kind: str) -> None:
         self.metrics.upstream_failures.labels(w, kind).inc()
         self.pool.mark_failed(w, error, kind)
+
+
+WORKER_ERROR_BYTES = 64 * 1024
+"""A worker's error answer longer than this is not parsed (it is no error message a client can use whole)."""
+
+
+def worker_error(content: bytes, status: int, media: str | None) -> tuple[bytes, str | None]:
+    """A worker's 4xx answer in OpenAI's shape ``{"error": {message, type, param, code}}``: vLLM's already is;
+    SGLang (and vLLM before 0.10) answer ``{"object": "error", "message", "type", ...}``, vLLM's --api-key
+    check ``{"error": "Unauthorized"}``, a proxy in front of a worker plain text. Already in shape: unchanged."""
+    doc: Any = None
+    if len(content) <= WORKER_ERROR_BYTES:
+        ok, doc = safejson.try_loads(content.decode("utf-8", "replace"))
+        if not ok:
+            doc = None
+    if isinstance(doc, dict) and isinstance(doc.get("error"), dict) and isinstance(doc["error"].get("message"), str):
+        return content, media
+    src = doc if isinstance(doc, dict) else {}
+    message = src.get("message") if isinstance(src.get("message"), str) else src.get("error")
+    if not isinstance(message, str) or not message:
+        message = content[:500].decode("utf-8", "replace").strip() or f"The worker answered HTTP {status}."
+    type_ = src.get("type")
+    if not isinstance(type_, str) or not type_:
+        type_ = "not_found_error" if status == 404 else "invalid_request_error"
+    param = src.get("param") if isinstance(src.get("param"), str) else None
+    code = src.get("code") if isinstance(src.get("code"), str | int) and not isinstance(src.get("code"), bool) \
+        else status
+    return json.dumps(error_body(message, type_, param, code)).encode(), "application/json"
 
 
 def _lost(w: WorkerId, exc: Lost) -> BadGateway:

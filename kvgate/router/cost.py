@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvgate.router.types import Decision, FleetView, RouteRequest, WorkerView
 
@@ -50,7 +50,8 @@ from kvgate.router.types import Decision, FleetView, RouteRequest, WorkerView
 class CostParams(BaseModel):
     """Profile coefficients and weights; validated, and tunable at run time (PATCH /admin/policy)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # No inf or NaN, from a config file or a PATCH (where a string "Infinity" would otherwise become one).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     p0_ms: float = Field(16.5, ge=0, description="fixed cost of a prefill pass")
     p1_ms: float = Field(0.0152, ge=0, description="per prefilled token")
@@ -78,6 +79,20 @@ class CostParams(BaseModel):
     remote_rtt_ms: float = Field(1.0, ge=0, description="one round trip to the remote tier")
     reservation_weight: float = Field(1.0, ge=0, description="price of evicting a parked session's KV, as a "
                                       "fraction of recomputing it")
+
+    @model_validator(mode="after")
+    def _decode_not_negative(self) -> CostParams:
+        # The occupancy terms may be negative (a fitted curve: Dynamo's mocker has u2 = -25.74), but the decode
+        # step they describe may not be, at any KV occupancy u in [0, 1]: the minimum is at an end or, for a
+        # convex curve, at its vertex.
+        d0, d1, d2 = self.decode_ms, self.decode_u1_ms, self.decode_u2_ms
+        lowest = min(d0, d0 + d1 + d2)
+        if d2 > 0 and 0 < -d1 / (2 * d2) < 1:
+            lowest = min(lowest, d0 - d1 * d1 / (4 * d2))
+        if lowest < 0:
+            raise ValueError(f"decode_ms + decode_u1_ms*u + decode_u2_ms*u^2 is negative ({lowest:.4g} ms) at some "
+                             "KV occupancy u in [0, 1]")
+        return self
 
 
 

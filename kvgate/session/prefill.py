@@ -36,7 +36,8 @@ K = TypeVar("K", bound=Hashable)
 
 
 class PrefillParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # No inf or NaN, from a config file or a PATCH (where a string "Infinity" would otherwise become one).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     enabled: bool = True
     min_gain_tokens: int = Field(128, ge=0, description="skip when the canonical branch adds fewer tokens")

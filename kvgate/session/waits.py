@@ -22,22 +22,26 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
 
 class WaitParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # No inf or NaN, from a config file or a PATCH (where a string "Infinity" would otherwise become one).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     quantile: float = Field(0.9, gt=0, le=1, description="quantile of recent durations used as the prediction")
-    window: int = Field(64, ge=1, description="recent durations kept per (tenant, tool)")
+    window: int = Field(64, ge=1, le=10_000, description="recent durations kept per (tenant, tool)")
     min_samples: int = Field(3, ge=1, description="observations before a key's own quantile is trusted")
     prior_s: float = Field(5.0, ge=0, description="prediction for a tool never seen")
-    tool_priors_s: dict[str, float] = Field(default_factory=dict, description="per tool name priors")
+    tool_priors_s: dict[str, Annotated[float, Field(ge=0)]] = Field(default_factory=dict,
+                                                                    description="per tool name priors")
     reserve_max_s: float = Field(5.0, ge=0, description="waits predicted up to this keep their KV reserved")
     deadline_factor: float = Field(2.0, ge=1, description="a reservation lapses after prediction x this")
     prefetch_lead_s: float = Field(2.0, ge=0, description="prefetch this long before the predicted resume")
-    max_keys: int = Field(10_000, ge=1, description="(tenant, tool) keys remembered (LRU)")
+    max_keys: int = Field(10_000, ge=1, le=1_000_000, description="(tenant, tool) keys remembered (LRU); tool "
+                          "names come from clients, so this bounds their memory")
 
 
 @dataclass(frozen=True, slots=True)
