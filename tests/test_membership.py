@@ -59,7 +59,9 @@ class Traffic:
 
     def __init__(self, url: str) -> None:
         self.url = url
-        self.seen: list[tuple[int, str, str]] = []
+        self.seen: list[tuple[int, str, str, int]] = []
+        """(status, worker, conversation, the request's number in the order they were sent)."""
+        self.sent = 0
         self._stop = asyncio.Event()
 
     async def agent(self, n: int) -> None:
@@ -72,18 +74,20 @@ class Traffic:
                 # Sessions end and new ones start (every few steps): a worker that joins gets new sessions;
                 # the cost model keeps a running session where its prefix is cached.
                 conv = f"a{n}-{i // 4}"
+                seq, self.sent = self.sent, self.sent + 1
                 async with h.stream("POST", self.url + "/v1/chat/completions", json=body,
                                     headers={"x-conversation-id": conv}) as r:
                     text = (await r.aread()).decode()
                     ok = r.status_code == 200 and "[DONE]" in text and '"error"' not in text
-                    self.seen.append((200 if ok else r.status_code, r.headers.get("x-kvgate-worker", ""), conv))
+                    self.seen.append((200 if ok else r.status_code, r.headers.get("x-kvgate-worker", ""), conv, seq))
                 i += 1
 
     def workers(self, since: int = 0) -> set[str]:
-        return {w for _, w, _ in self.seen[since:]}
+        """Workers of the requests sent from number ``since`` on (a request sent before may end after)."""
+        return {w for _, w, _, seq in self.seen if seq >= since}
 
     def conversations_since(self, since: int) -> set[str]:
-        return {c for _, _, c in self.seen[since:]}
+        return {c for _, _, c, seq in self.seen if seq >= since}
 
     def stop(self) -> None:
         self._stop.set()
@@ -123,7 +127,7 @@ async def test_traffic_follows_the_dns_records(dnsmasq: Dnsmasq, model_dir: Path
         dnsmasq.reload_hosts()
         await eventually(lambda: fleet.wid(c) in {w.id for w in gw.pool.all()}, timeout_s=5)
         await eventually(lambda: fleet.wid(b) not in {w.id for w in gw.pool.all()}, timeout_s=10)  # drained
-        mark = len(traffic.seen)
+        mark = traffic.sent
         await fleet.stop(b)  # the pod goes once kvgate no longer sends it anything
         await asyncio.sleep(0.6)
         assert fleet.wid(c) not in traffic.workers() and not gw.pool.get(fleet.wid(c)).healthy
