@@ -112,7 +112,9 @@ class RedisQuotaStore:
             raise QuotaStoreError(str(exc)) from exc
 
     async def leases(self, tenant: str) -> int:
-        n: int = await self._r.zcard(self._keys(tenant)[1])
+        """Leases of ``tenant`` not expired (by Redis's clock)."""
+        secs, micros = await self._r.time()
+        n: int = await self._r.zcount(self._keys(tenant)[1], f"({secs + micros / 1e6}", "+inf")
         return n
 
     async def close(self) -> None:
