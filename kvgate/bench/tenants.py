@@ -1,0 +1,185 @@
+"""``kvgate bench tenants``: what a heavy tenant does to a light one's time to first token, with admission
+off and on.
+
+Three simulated vLLM workers with four sequence slots each (``max_num_seqs=4``) behind one gateway. A
+light tenant sends streamed chat requests at ``light_rps`` (Poisson arrivals, open loop), first alone
+(solo), then beside a heavy tenant sending the same kind of request at ten times its rate: once with
+admission off, once with it on (both tenants under the same default limits: ``max_concurrent`` of the
+fleet's 12 slots, ``worker_slots=4``, the fair queue). Each phase runs on fresh workers and a fresh
+gateway; a phase ends when every light request it started has finished (heavy requests still running
+are left to finish too, so the light tenant's last requests see the backlog the heavy one built).
+
+Reported: the light tenant's TTFT p50 and p99 (as its client sees it: queueing in the gateway and in the
+engine included) and their ratio to solo, and the heavy tenant's 429 and 503 answers. Clients do not
+retry. All in one process (gateway, workers, clients), so the machine's CPU is shared by all three.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from kvgate.bench.stores import pct
+from kvgate.config import GatewaySettings, WorkerConfig
+from kvgate.gateway.app import create_app, make_client
+from kvgate.serving import ServerHandle, start_server
+from kvgate.sim.server import SimWorker
+from kvgate.sim.settings import SimSettings
+from kvgate.tokens.tinymodel import ensure_tiny_model
+
+MODEL = "kvgate-tiny"
+WORKERS = 3
+SLOTS = 4
+
+
+@dataclass(frozen=True)
+class Params:
+    seconds: float = 40.0
+    light_rps: float = 2.0
+    heavy_factor: float = 10.0
+    prompt_words: int = 100
+    """~300 prompt tokens of the tiny model's tokenizer; each request's text is its own (no shared prefix)."""
+    output_tokens: int = 24
+    speed: float = 0.25
+    """The h100-llama3-8b timing profile run 4× slower: ~130 ms to prefill a prompt, ~28 ms a decode step,
+    so a request holds a slot ~0.8 s and the workers' time dominates the gateway's."""
+    max_concurrent: int = 8
+    """Every tenant's limit (admission on), of the fleet's 12 slots."""
+    queue_size: int = 64
+    max_queue_wait_s: float = 5.0
+
+
+@dataclass
+class Tally:
+    ttft_ms: list[float] = field(default_factory=list)
+    status: dict[int, int] = field(default_factory=dict)
+
+    def count(self, code: int) -> None:
+        self.status[code] = self.status.get(code, 0) + 1
+
+
+@dataclass
+class Phase:
+    name: str
+    light: Tally
+    heavy: Tally | None
+
+
+async def _request(http: httpx.AsyncClient, url: str, tenant: str, rng: random.Random, p: Params, tally: Tally,
+                   record_ttft: bool) -> None:
+    words = " ".join(f"w{rng.randrange(1_000_000)}" for _ in range(p.prompt_words // 2))
+    body = {"model": MODEL, "stream": True, "max_tokens": p.output_tokens,
+            "messages": [{"role": "user", "content": words}],
+            "sim": {"reasoning_tokens": 0, "answer_tokens": p.output_tokens, "tool_calls": 0}}
+    t0 = time.perf_counter()
+    try:
+        async with http.stream("POST", url + "/v1/chat/completions", json=body,
+                               headers={"x-tenant-id": tenant, "x-conversation-id": uuid.uuid4().hex}) as r:
+            tally.count(r.status_code)
+            if r.status_code != 200:
+                await r.aread()
+                return
+            ttft = None
+            async for line in r.aiter_lines():
+                if ttft is None and line.startswith("data: {"):
+                    obj = json.loads(line[6:])
+                    if any((c.get("delta") or {}).get("content") for c in obj.get("choices", [])):
+                        ttft = time.perf_counter() - t0
+            if record_ttft and ttft is not None:
+                tally.ttft_ms.append(ttft * 1000)
+    except httpx.HTTPError:
+        tally.count(0)
+
+
+async def _tenant(http: httpx.AsyncClient, url: str, tenant: str, rps: float, p: Params, seed: int, tally: Tally,
+                  tasks: list[asyncio.Task[None]]) -> None:
+    """Poisson arrivals for ``p.seconds``; each request its own task (open loop)."""
+    rng = random.Random(seed)
+    end = time.monotonic() + p.seconds
+    while True:
+        await asyncio.sleep(rng.expovariate(rps))
+        if time.monotonic() >= end:
+            return
+        tasks.append(asyncio.create_task(_request(http, url, tenant, rng, p, tally, True)))
+
+
+async def _cluster(p: Params, admission: bool) -> tuple[list[ServerHandle], ServerHandle]:
+    model_dir = ensure_tiny_model()
+    sims = []
+    for _ in range(WORKERS):
+        w = SimWorker(SimSettings(model_dir=str(model_dir), profile="h100-llama3-8b", hash_seed="0", speed=p.speed,
+                                  max_num_seqs=SLOTS))
+        sims.append(await start_server(w.build_app()))
+    adm: dict[str, Any] = {"enabled": admission, "worker_slots": SLOTS, "queue_size": p.queue_size,
+                           "max_queue_wait_s": p.max_queue_wait_s, "defaults": {"max_concurrent": p.max_concurrent}}
+    gw = await start_server(create_app(GatewaySettings(
+        workers=[WorkerConfig(url=s.url, model=MODEL, engine="sim", block_size=16) for s in sims],
+        tokenizers={MODEL: str(model_dir)}, hash_seed="0", admission=adm, health_interval_s=1.0)))
+    return sims, gw
+
+
+async def phase(name: str, p: Params, seed: int, heavy: bool, admission: bool) -> Phase:
+    sims, gw = await _cluster(p, admission)
+    light, heavy_t = Tally(), Tally() if heavy else None
+    light_tasks: list[asyncio.Task[None]] = []
+    heavy_tasks: list[asyncio.Task[None]] = []
+    try:
+        async with make_client(httpx.Timeout(600.0)) as http:
+            senders = [_tenant(http, gw.url, "light", p.light_rps, p, seed, light, light_tasks)]
+            if heavy_t is not None:
+                senders.append(_tenant(http, gw.url, "heavy", p.light_rps * p.heavy_factor, p, seed + 1, heavy_t,
+                                       heavy_tasks))
+            await asyncio.gather(*senders)
+            await asyncio.gather(*light_tasks)
+            await asyncio.gather(*heavy_tasks)
+    finally:
+        await gw.stop()
+        for s in sims:
+            await s.stop()
+    return Phase(name, light, heavy_t)
+
+
+def table(by_seed: dict[int, list[Phase]], p: Params) -> str:
+    lines = [f"light tenant {p.light_rps:g} req/s, heavy {p.light_rps * p.heavy_factor:g} req/s; {WORKERS} simulated "
+             f"workers x {SLOTS} slots; {p.seconds:g} s per phase; max_concurrent {p.max_concurrent} per tenant "
+             "(admission on)", "",
+             "| seed | phase | light n | light TTFT p50 (ms) | p99 (ms) | p50 / solo | p99 / solo | "
+             "heavy 200 | heavy 429 | heavy 503 | light non-200 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for seed, phases in by_seed.items():
+        solo = phases[0].light.ttft_ms
+        s50, s99 = pct(solo, .5), pct(solo, .99)
+        for ph in phases:
+            t = ph.light.ttft_ms
+            p50, p99 = pct(t, .5), pct(t, .99)
+            h = ph.heavy.status if ph.heavy is not None else {}
+            other = sum(n for code, n in ph.light.status.items() if code != 200)
+            heavy = (str(h.get(200, 0)), str(h.get(429, 0)), str(h.get(503, 0))) if ph.heavy else ("-",) * 3
+            cells = [str(seed), ph.name, str(len(t)), f"{p50:.0f}", f"{p99:.0f}", f"{p50 / s50:.2f}",
+                     f"{p99 / s99:.2f}", *heavy, str(other)]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+PHASES = (("solo", False, False), ("with heavy, admission off", True, False), ("with heavy, admission on", True, True))
+
+
+async def measure(p: Params, seeds: list[int]) -> dict[int, list[Phase]]:
+    out: dict[int, list[Phase]] = {}
+    for seed in seeds:
+        out[seed] = [await phase(name, p, seed, heavy, adm) for name, heavy, adm in PHASES]
+    return out
+
+
+def run(quick: bool = False, seeds: list[int] | None = None) -> str:
+    p = Params(seconds=8.0) if quick else Params()
+    text = table(asyncio.run(measure(p, seeds or ([1] if quick else [1, 2]))), p)
+    print(text)
+    return text
