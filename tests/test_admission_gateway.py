@@ -6,6 +6,7 @@ Redis share a tenant's limits."""
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -162,3 +163,17 @@ async def test_two_replicas_on_one_redis_share_a_tenants_limits(make_cluster: An
         await eventually(free)
         r = await h.post(c.urls[1] + "/v1/chat/completions", json=body(), headers=headers("solo"))
         assert r.status_code == 200
+
+
+@pytest.mark.parametrize("send", [True, False])
+async def test_the_class_goes_to_vllm_workers_as_priority_only_when_configured(make_cluster: Any, send: bool) -> None:
+    c = await make_cluster(1, admission={"enabled": True, "worker_priority": send, "batch_priority": 7})
+    preparer = c.gateway.proxy.preparer
+    for value, expected in (("batch", 7), ("interactive", 0), (None, 0)):
+        h = {"x-tenant-id": "t", **({"x-kvgate-priority": value} if value else {})}
+        p = await preparer.prepare_body(body(priority=-5), h, "chat", act=False, admit=True)
+        assert p.ticket is not None
+        p.ticket.release()
+        sent = json.loads(p.payload)
+        # On: kvgate's value replaces the client's (it would otherwise jump the queue); off: the client's.
+        assert sent["priority"] == (expected if send else -5)

@@ -141,6 +141,9 @@ class Admission:
     def queued(self, model: str | None = None) -> int:
         return sum(len(s.queue) for m, s in self._slots.items() if model is None or m == model)
 
+    def models(self) -> list[str]:
+        return sorted(self._slots)
+
     def busy(self, model: str) -> int:
         s = self._slots.get(model)
         return 0 if s is None else s.busy

@@ -179,7 +179,7 @@ async def measure(p: Params, seeds: list[int]) -> dict[int, list[Phase]]:
 
 
 def run(quick: bool = False, seeds: list[int] | None = None) -> str:
-    p = Params(seconds=8.0) if quick else Params()
+    p = Params(seconds=5.0) if quick else Params()
     text = table(asyncio.run(measure(p, seeds or ([1] if quick else [1, 2]))), p)
     print(text)
     return text

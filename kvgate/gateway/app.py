@@ -20,6 +20,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvgate.admission.gate import Admission
+from kvgate.admission.metrics import AdmissionCollector
 from kvgate.admission.redis_store import RedisQuotaStore
 from kvgate.admission.store import MemoryQuotaStore, QuotaStore
 from kvgate.clock import Clock, MonotonicClock
@@ -154,6 +155,8 @@ class Gateway:
         self.relay = Relay(self.pool, self.clock, m, recorder, self.policy.name, self.requests)
         sender = Sender(settings, router, self.upstream, self.clock, m, self.relay)
         self.admission = make_admission(settings, self.pool)
+        if self.admission is not None:
+            m.registry.register(AdmissionCollector(self.admission))
         self.proxy = Proxy(Preparer(settings, self.pool, self.turns, self.prompts, self.runtime, m, router.holder,
                                     self.prompt_limits, self.admission),
                            sender, m, self.tracing, self.auth)
