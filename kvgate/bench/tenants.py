@@ -9,7 +9,8 @@ fleet's 12 slots, ``worker_slots=4``, the fair queue). Each phase runs on fresh 
 gateway; a phase ends when every light request it started has finished (heavy requests still running
 are left to finish too, so the light tenant's last requests see the backlog the heavy one built).
 
-Reported: the light tenant's TTFT p50 and p99 (as its client sees it: queueing in the gateway and in the
+The full run adds the limit at half the fleet's slots (``SENSITIVITY``). Reported: the light tenant's
+TTFT p50 and p99 (as its client sees it: queueing in the gateway and in the
 engine included) and their ratio to solo, and the heavy tenant's 429 and 503 answers. Clients do not
 retry. All in one process (gateway, workers, clients), so the machine's CPU is shared by all three.
 """
@@ -110,7 +111,7 @@ async def _tenant(http: httpx.AsyncClient, url: str, tenant: str, rps: float, p:
         tasks.append(asyncio.create_task(_request(http, url, tenant, rng, p, tally, True)))
 
 
-async def _cluster(p: Params, admission: bool) -> tuple[list[ServerHandle], ServerHandle]:
+async def _cluster(p: Params, admission: bool, max_concurrent: int) -> tuple[list[ServerHandle], ServerHandle]:
     model_dir = ensure_tiny_model()
     sims = []
     for _ in range(WORKERS):
@@ -118,15 +119,16 @@ async def _cluster(p: Params, admission: bool) -> tuple[list[ServerHandle], Serv
                                   max_num_seqs=SLOTS))
         sims.append(await start_server(w.build_app()))
     adm: dict[str, Any] = {"enabled": admission, "worker_slots": SLOTS, "queue_size": p.queue_size,
-                           "max_queue_wait_s": p.max_queue_wait_s, "defaults": {"max_concurrent": p.max_concurrent}}
+                           "max_queue_wait_s": p.max_queue_wait_s, "defaults": {"max_concurrent": max_concurrent}}
     gw = await start_server(create_app(GatewaySettings(
         workers=[WorkerConfig(url=s.url, model=MODEL, engine="sim", block_size=16) for s in sims],
         tokenizers={MODEL: str(model_dir)}, hash_seed="0", admission=adm, health_interval_s=1.0)))
     return sims, gw
 
 
-async def phase(name: str, p: Params, seed: int, heavy: bool, admission: bool) -> Phase:
-    sims, gw = await _cluster(p, admission)
+async def phase(name: str, p: Params, seed: int, heavy: bool, admission: bool, max_concurrent: int | None = None
+                ) -> Phase:
+    sims, gw = await _cluster(p, admission, max_concurrent or p.max_concurrent)
     light, heavy_t = Tally(), Tally() if heavy else None
     light_tasks: list[asyncio.Task[None]] = []
     heavy_tasks: list[asyncio.Task[None]] = []
@@ -149,7 +151,7 @@ async def phase(name: str, p: Params, seed: int, heavy: bool, admission: bool) -
 def table(by_seed: dict[int, list[Phase]], p: Params) -> str:
     lines = [f"light tenant {p.light_rps:g} req/s, heavy {p.light_rps * p.heavy_factor:g} req/s; {WORKERS} simulated "
              f"workers x {SLOTS} slots; {p.seconds:g} s per phase; max_concurrent {p.max_concurrent} per tenant "
-             "(admission on)", "",
+             "(admission on, unless the phase says otherwise)", "",
              "| seed | phase | light n | light TTFT p50 (ms) | p99 (ms) | p50 / solo | p99 / solo | "
              "heavy 200 | heavy 429 | heavy 503 | light non-200 |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -168,18 +170,26 @@ def table(by_seed: dict[int, list[Phase]], p: Params) -> str:
     return "\n".join(lines)
 
 
-PHASES = (("solo", False, False), ("with heavy, admission off", True, False), ("with heavy, admission on", True, True))
+PHASES: tuple[tuple[str, bool, bool, int | None], ...] = (
+    ("solo", False, False, None), ("with heavy, admission off", True, False, None),
+    ("with heavy, admission on", True, True, None))
+"""(name, heavy tenant?, admission?, max_concurrent if not ``Params.max_concurrent``)."""
+SENSITIVITY = (("with heavy, admission on, max_concurrent 6", True, True, 6),)
+"""The full run also shows the limit at half the fleet's slots: how the light tenant's TTFT moves with what
+the heavy one may run (the engines' steps are shared, so that is what it pays for)."""
 
 
-async def measure(p: Params, seeds: list[int]) -> dict[int, list[Phase]]:
+async def measure(p: Params, seeds: list[int], phases: tuple[tuple[str, bool, bool, int | None], ...] = PHASES
+                  ) -> dict[int, list[Phase]]:
     out: dict[int, list[Phase]] = {}
     for seed in seeds:
-        out[seed] = [await phase(name, p, seed, heavy, adm) for name, heavy, adm in PHASES]
+        out[seed] = [await phase(name, p, seed, heavy, adm, mc) for name, heavy, adm, mc in phases]
     return out
 
 
 def run(quick: bool = False, seeds: list[int] | None = None) -> str:
     p = Params(seconds=5.0) if quick else Params()
-    text = table(asyncio.run(measure(p, seeds or ([1] if quick else [1, 2]))), p)
+    phases = PHASES if quick else PHASES + SENSITIVITY
+    text = table(asyncio.run(measure(p, seeds or ([1] if quick else [1, 2]), phases)), p)
     print(text)
     return text
