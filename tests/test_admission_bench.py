@@ -18,7 +18,7 @@ def test_quick_tenants_bench_prints_one_row_per_phase(capsys: pytest.CaptureFixt
     assert {"heavy 429", "heavy 503", "p99 / solo"} <= set(cols)
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()
             if line.startswith("| 1 |")]
-    assert [r[1] for r in rows] == [ph[0] for ph in PHASES]
+    assert [r[1] for r in rows] == [ph.name for ph in PHASES]
     assert all(len(r) == len(cols) for r in rows)
     assert rows[0][5] == rows[0][6] == "1.00"  # solo against itself
     assert rows[0][7] == "-" and rows[1][8].isdigit() and rows[2][8].isdigit()

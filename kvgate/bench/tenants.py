@@ -9,7 +9,7 @@ fleet's 12 slots, ``worker_slots=4``, the fair queue). Each phase runs on fresh 
 gateway; a phase ends when every light request it started has finished (heavy requests still running
 are left to finish too, so the light tenant's last requests see the backlog the heavy one built).
 
-The full run adds the limit at half the fleet's slots (``SENSITIVITY``). Reported: the light tenant's
+The full run adds two rows (``EXTRA``). Reported: the light tenant's
 TTFT p50 and p99 (as its client sees it: queueing in the gateway and in the
 engine included) and their ratio to solo, and the heavy tenant's 429 and 503 answers. Clients do not
 retry. All in one process (gateway, workers, clients), so the machine's CPU is shared by all three.
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import time
 import uuid
@@ -71,10 +72,25 @@ class Phase:
     name: str
     light: Tally
     heavy: Tally | None
+    load: float = 0.0
+    """The machine's 1-minute load average at the phase's end: the workers' timing is simulated on this
+    machine's CPU, so a busy machine shows in every row."""
+
+
+@dataclass(frozen=True)
+class PhaseSpec:
+    name: str
+    heavy: bool = False
+    admission: bool = False
+    max_concurrent: int | None = None
+    """Every tenant's limit; None: ``Params.max_concurrent``."""
+    heavy_batch: bool = False
+    """The heavy tenant's requests say ``x-kvgate-priority: batch``, and the class goes to the workers as vLLM's
+    ``priority`` (``worker_priority``; the simulated workers run priority scheduling)."""
 
 
 async def _request(http: httpx.AsyncClient, url: str, tenant: str, rng: random.Random, p: Params, tally: Tally,
-                   record_ttft: bool) -> None:
+                   batch: bool) -> None:
     words = " ".join(f"w{rng.randrange(1_000_000)}" for _ in range(p.prompt_words // 2))
     body = {"model": MODEL, "stream": True, "max_tokens": p.output_tokens,
             "messages": [{"role": "user", "content": words}],
@@ -82,7 +98,8 @@ async def _request(http: httpx.AsyncClient, url: str, tenant: str, rng: random.R
     t0 = time.perf_counter()
     try:
         async with http.stream("POST", url + "/v1/chat/completions", json=body,
-                               headers={"x-tenant-id": tenant, "x-conversation-id": uuid.uuid4().hex}) as r:
+                               headers={"x-tenant-id": tenant, "x-conversation-id": uuid.uuid4().hex,
+                                        "x-kvgate-priority": "batch" if batch else "interactive"}) as r:
             tally.count(r.status_code)
             if r.status_code != 200:
                 await r.aread()
@@ -93,14 +110,14 @@ async def _request(http: httpx.AsyncClient, url: str, tenant: str, rng: random.R
                     obj = json.loads(line[6:])
                     if any((c.get("delta") or {}).get("content") for c in obj.get("choices", [])):
                         ttft = time.perf_counter() - t0
-            if record_ttft and ttft is not None:
+            if ttft is not None:
                 tally.ttft_ms.append(ttft * 1000)
     except httpx.HTTPError:
         tally.count(0)
 
 
 async def _tenant(http: httpx.AsyncClient, url: str, tenant: str, rps: float, p: Params, seed: int, tally: Tally,
-                  tasks: list[asyncio.Task[None]]) -> None:
+                  tasks: list[asyncio.Task[None]], batch: bool = False) -> None:
     """Poisson arrivals for ``p.seconds``; each request its own task (open loop)."""
     rng = random.Random(seed)
     end = time.monotonic() + p.seconds
@@ -108,28 +125,28 @@ async def _tenant(http: httpx.AsyncClient, url: str, tenant: str, rps: float, p:
         await asyncio.sleep(rng.expovariate(rps))
         if time.monotonic() >= end:
             return
-        tasks.append(asyncio.create_task(_request(http, url, tenant, rng, p, tally, True)))
+        tasks.append(asyncio.create_task(_request(http, url, tenant, rng, p, tally, batch)))
 
 
-async def _cluster(p: Params, admission: bool, max_concurrent: int) -> tuple[list[ServerHandle], ServerHandle]:
+async def _cluster(p: Params, spec: PhaseSpec) -> tuple[list[ServerHandle], ServerHandle]:
     model_dir = ensure_tiny_model()
     sims = []
     for _ in range(WORKERS):
         w = SimWorker(SimSettings(model_dir=str(model_dir), profile="h100-llama3-8b", hash_seed="0", speed=p.speed,
-                                  max_num_seqs=SLOTS))
+                                  max_num_seqs=SLOTS, priority_scheduling=spec.heavy_batch))
         sims.append(await start_server(w.build_app()))
-    adm: dict[str, Any] = {"enabled": admission, "worker_slots": SLOTS, "queue_size": p.queue_size,
-                           "max_queue_wait_s": p.max_queue_wait_s, "defaults": {"max_concurrent": max_concurrent}}
+    adm: dict[str, Any] = {"enabled": spec.admission, "worker_slots": SLOTS, "queue_size": p.queue_size,
+                           "max_queue_wait_s": p.max_queue_wait_s, "worker_priority": spec.heavy_batch,
+                           "defaults": {"max_concurrent": spec.max_concurrent or p.max_concurrent}}
     gw = await start_server(create_app(GatewaySettings(
         workers=[WorkerConfig(url=s.url, model=MODEL, engine="sim", block_size=16) for s in sims],
         tokenizers={MODEL: str(model_dir)}, hash_seed="0", admission=adm, health_interval_s=1.0)))
     return sims, gw
 
 
-async def phase(name: str, p: Params, seed: int, heavy: bool, admission: bool, max_concurrent: int | None = None
-                ) -> Phase:
-    sims, gw = await _cluster(p, admission, max_concurrent or p.max_concurrent)
-    light, heavy_t = Tally(), Tally() if heavy else None
+async def phase(spec: PhaseSpec, p: Params, seed: int) -> Phase:
+    sims, gw = await _cluster(p, spec)
+    light, heavy_t = Tally(), Tally() if spec.heavy else None
     light_tasks: list[asyncio.Task[None]] = []
     heavy_tasks: list[asyncio.Task[None]] = []
     try:
@@ -137,7 +154,7 @@ async def phase(name: str, p: Params, seed: int, heavy: bool, admission: bool, m
             senders = [_tenant(http, gw.url, "light", p.light_rps, p, seed, light, light_tasks)]
             if heavy_t is not None:
                 senders.append(_tenant(http, gw.url, "heavy", p.light_rps * p.heavy_factor, p, seed + 1, heavy_t,
-                                       heavy_tasks))
+                                       heavy_tasks, spec.heavy_batch))
             await asyncio.gather(*senders)
             await asyncio.gather(*light_tasks)
             await asyncio.gather(*heavy_tasks)
@@ -145,7 +162,7 @@ async def phase(name: str, p: Params, seed: int, heavy: bool, admission: bool, m
         await gw.stop()
         for s in sims:
             await s.stop()
-    return Phase(name, light, heavy_t)
+    return Phase(spec.name, light, heavy_t, os.getloadavg()[0])
 
 
 def table(by_seed: dict[int, list[Phase]], p: Params) -> str:
@@ -153,8 +170,8 @@ def table(by_seed: dict[int, list[Phase]], p: Params) -> str:
              f"workers x {SLOTS} slots; {p.seconds:g} s per phase; max_concurrent {p.max_concurrent} per tenant "
              "(admission on, unless the phase says otherwise)", "",
              "| seed | phase | light n | light TTFT p50 (ms) | p99 (ms) | p50 / solo | p99 / solo | "
-             "heavy 200 | heavy 429 | heavy 503 | light non-200 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "heavy 200 | heavy 429 | heavy 503 | light non-200 | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for seed, phases in by_seed.items():
         solo = phases[0].light.ttft_ms
         s50, s99 = pct(solo, .5), pct(solo, .99)
@@ -165,31 +182,31 @@ def table(by_seed: dict[int, list[Phase]], p: Params) -> str:
             other = sum(n for code, n in ph.light.status.items() if code != 200)
             heavy = (str(h.get(200, 0)), str(h.get(429, 0)), str(h.get(503, 0))) if ph.heavy else ("-",) * 3
             cells = [str(seed), ph.name, str(len(t)), f"{p50:.0f}", f"{p99:.0f}", f"{p50 / s50:.2f}",
-                     f"{p99 / s99:.2f}", *heavy, str(other)]
+                     f"{p99 / s99:.2f}", *heavy, str(other), f"{ph.load:.1f}"]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-PHASES: tuple[tuple[str, bool, bool, int | None], ...] = (
-    ("solo", False, False, None), ("with heavy, admission off", True, False, None),
-    ("with heavy, admission on", True, True, None))
-"""(name, heavy tenant?, admission?, max_concurrent if not ``Params.max_concurrent``)."""
-SENSITIVITY = (("with heavy, admission on, max_concurrent 6", True, True, 6),)
-"""The full run also shows the limit at half the fleet's slots: how the light tenant's TTFT moves with what
-the heavy one may run (the engines' steps are shared, so that is what it pays for)."""
+PHASES = (PhaseSpec("solo"), PhaseSpec("with heavy, admission off", heavy=True),
+          PhaseSpec("with heavy, admission on", heavy=True, admission=True))
+EXTRA = (PhaseSpec("with heavy, admission on, max_concurrent 6", heavy=True, admission=True, max_concurrent=6),
+         PhaseSpec("with heavy as batch, admission on, worker priority", heavy=True, admission=True, heavy_batch=True))
+"""The full run's extra rows: the limit at half the fleet's slots (the light tenant shares the engines' steps
+with what the heavy one runs), and the heavy tenant's requests as batch with the class sent to the workers as
+vLLM's ``priority`` (the simulator's model of ``--scheduling-policy priority``: a lower-priority prefill
+waits while a higher one prefills)."""
 
 
-async def measure(p: Params, seeds: list[int], phases: tuple[tuple[str, bool, bool, int | None], ...] = PHASES
-                  ) -> dict[int, list[Phase]]:
+async def measure(p: Params, seeds: list[int], phases: tuple[PhaseSpec, ...] = PHASES) -> dict[int, list[Phase]]:
     out: dict[int, list[Phase]] = {}
     for seed in seeds:
-        out[seed] = [await phase(name, p, seed, heavy, adm, mc) for name, heavy, adm, mc in phases]
+        out[seed] = [await phase(spec, p, seed) for spec in phases]
     return out
 
 
 def run(quick: bool = False, seeds: list[int] | None = None) -> str:
     p = Params(seconds=5.0) if quick else Params()
-    phases = PHASES if quick else PHASES + SENSITIVITY
+    phases = PHASES if quick else PHASES + EXTRA
     text = table(asyncio.run(measure(p, seeds or ([1] if quick else [1, 2]), phases)), p)
     print(text)
     return text
