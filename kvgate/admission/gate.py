@@ -173,6 +173,7 @@ class Admission:
             if lease is not None:
                 self._held.setdefault(tenant, set()).add(lease)
         ticket = Ticket(self, tenant, model, priority, lease, slot=False)
+        cap = self.capacity(model) if slots is not None else 0  # again: the store's answer took a while
         if slots is None or cap <= 0:  # no slot limit, or no healthy worker: the sender answers that
             return ticket
         try:
