@@ -21,6 +21,7 @@ import asyncio
 import json
 import os
 import random
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -39,6 +40,9 @@ from kvgate.tokens.tinymodel import ensure_tiny_model
 MODEL = "kvgate-tiny"
 WORKERS = 3
 SLOTS = 4
+REQUEST_TIMEOUT_S = 120.0
+"""A request without an answer this long counts as failed (status 0 in the tallies)."""
+HEAVY_DRAIN_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -150,14 +154,18 @@ async def phase(spec: PhaseSpec, p: Params, seed: int) -> Phase:
     light_tasks: list[asyncio.Task[None]] = []
     heavy_tasks: list[asyncio.Task[None]] = []
     try:
-        async with make_client(httpx.Timeout(600.0)) as http:
+        async with make_client(httpx.Timeout(REQUEST_TIMEOUT_S)) as http:
             senders = [_tenant(http, gw.url, "light", p.light_rps, p, seed, light, light_tasks)]
             if heavy_t is not None:
                 senders.append(_tenant(http, gw.url, "heavy", p.light_rps * p.heavy_factor, p, seed + 1, heavy_t,
                                        heavy_tasks, spec.heavy_batch))
             await asyncio.gather(*senders)
             await asyncio.gather(*light_tasks)
-            await asyncio.gather(*heavy_tasks)
+            # The light tenant is measured; the heavy one's stragglers get a while, then their clients leave.
+            _, late = await asyncio.wait(heavy_tasks, timeout=HEAVY_DRAIN_S) if heavy_tasks else (set(), set())
+            for t in late:
+                t.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
     finally:
         await gw.stop()
         for s in sims:
@@ -200,7 +208,11 @@ waits while a higher one prefills)."""
 async def measure(p: Params, seeds: list[int], phases: tuple[PhaseSpec, ...] = PHASES) -> dict[int, list[Phase]]:
     out: dict[int, list[Phase]] = {}
     for seed in seeds:
-        out[seed] = [await phase(spec, p, seed) for spec in phases]
+        out[seed] = []
+        for spec in phases:
+            t0 = time.monotonic()
+            out[seed].append(await phase(spec, p, seed))
+            print(f"seed {seed}: {spec.name}: {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
     return out
 
 
