@@ -178,7 +178,7 @@ def table(by_seed: dict[int, list[Phase]], p: Params) -> str:
              f"workers x {SLOTS} slots; {p.seconds:g} s per phase; max_concurrent {p.max_concurrent} per tenant "
              "(admission on, unless the phase says otherwise)", "",
              "| seed | phase | light n | light TTFT p50 (ms) | p99 (ms) | p50 / solo | p99 / solo | "
-             "heavy 200 | heavy 429 | heavy 503 | light non-200 | load |",
+             "heavy 200 | heavy 429 | heavy 503 | light non-200 (status x n; 0: no answer) | load |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for seed, phases in by_seed.items():
         solo = phases[0].light.ttft_ms
@@ -187,10 +187,10 @@ def table(by_seed: dict[int, list[Phase]], p: Params) -> str:
             t = ph.light.ttft_ms
             p50, p99 = pct(t, .5), pct(t, .99)
             h = ph.heavy.status if ph.heavy is not None else {}
-            other = sum(n for code, n in ph.light.status.items() if code != 200)
+            other = " ".join(f"{code}x{n}" for code, n in sorted(ph.light.status.items()) if code != 200) or "0"
             heavy = (str(h.get(200, 0)), str(h.get(429, 0)), str(h.get(503, 0))) if ph.heavy else ("-",) * 3
             cells = [str(seed), ph.name, str(len(t)), f"{p50:.0f}", f"{p99:.0f}", f"{p50 / s50:.2f}",
-                     f"{p99 / s99:.2f}", *heavy, str(other), f"{ph.load:.1f}"]
+                     f"{p99 / s99:.2f}", *heavy, other, f"{ph.load:.1f}"]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
