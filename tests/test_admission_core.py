@@ -233,3 +233,15 @@ async def test_redis_leases_expire_unless_renewed(redis_store: RedisQuotaStore) 
         await redis_store.renew({"t": {"kept"}}, 1.0)
     assert await redis_store.leases("t") == 1
     assert (await redis_store.admit("t", q, 1, "new", 30)).ok
+
+
+async def test_a_quota_store_that_is_down_admits_unmetered() -> None:
+    from tests.conftest import free_port
+
+    s = AdmissionSettings(enabled=True, defaults=TenantLimits(max_concurrent=1, requests_per_minute=1))
+    g = Admission(s, RedisQuotaStore(f"redis://127.0.0.1:{free_port()}/0"), lambda model: 0, 1)
+    tickets = [await g.admit("a", "m", "interactive", 1) for _ in range(3)]  # over both limits, yet served
+    assert all(t.lease is None for t in tickets) and g.rejected == {}
+    for t in tickets:
+        t.release()
+    await g.aclose()
