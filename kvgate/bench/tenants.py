@@ -9,7 +9,7 @@ fleet's 12 slots, ``worker_slots=4``, the fair queue). Each phase runs on fresh 
 gateway; a phase ends when every light request it started has finished (heavy requests still running
 are left to finish too, so the light tenant's last requests see the backlog the heavy one built).
 
-The full run adds two rows (``EXTRA``). Reported: the light tenant's
+The full run adds a row (``EXTRA``). Reported: the light tenant's
 TTFT p50 and p99 (as its client sees it: queueing in the gateway and in the
 engine included) and their ratio to solo, and the heavy tenant's 429 and 503 answers. Clients do not
 retry. All in one process (gateway, workers, clients), so the machine's CPU is shared by all three.
@@ -197,12 +197,12 @@ def table(by_seed: dict[int, list[Phase]], p: Params) -> str:
 
 PHASES = (PhaseSpec("solo"), PhaseSpec("with heavy, admission off", heavy=True),
           PhaseSpec("with heavy, admission on", heavy=True, admission=True))
-EXTRA = (PhaseSpec("with heavy, admission on, max_concurrent 6", heavy=True, admission=True, max_concurrent=6),
-         PhaseSpec("with heavy as batch, admission on, worker priority", heavy=True, admission=True, heavy_batch=True))
-"""The full run's extra rows: the limit at half the fleet's slots (the light tenant shares the engines' steps
-with what the heavy one runs), and the heavy tenant's requests as batch with the class sent to the workers as
-vLLM's ``priority`` (the simulator's model of ``--scheduling-policy priority``: a lower-priority prefill
-waits while a higher one prefills)."""
+EXTRA = (PhaseSpec("with heavy, admission on, max_concurrent 6", heavy=True, admission=True, max_concurrent=6),)
+"""The full run's extra row: the limit at half the fleet's slots (the light tenant shares the engines' steps
+with what the heavy one runs). ``heavy_batch`` is not run by default: the simulator's priority model is the
+one of kvgate's background prefills, where a waiting higher-priority request does not preempt running
+lower-priority ones, so a worker whose four sequences are all batch requests holds an interactive request
+until its client gives up (vLLM's priority scheduler preempts instead)."""
 
 
 async def measure(p: Params, seeds: list[int], phases: tuple[PhaseSpec, ...] = PHASES) -> dict[int, list[Phase]]:
