@@ -19,6 +19,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from kvgate.admission.settings import AdmissionSettings
 from kvgate.gateway.auth import AuthSettings
 from kvgate.gateway.inputlimits import HostileSettings
 from kvgate.router.cost import CostParams
@@ -163,6 +164,9 @@ class GatewaySettings(YamlSettings):
     """Auth off only: with auth on, the tenant is the credential's and this header is ignored."""
     auth: AuthSettings = Field(default_factory=AuthSettings)
     """Authentication, roles and tenant isolation (kvgate/gateway/auth.py, docs/security.md)."""
+    admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
+    """Per-tenant quotas (concurrency, requests and tokens per minute) and the fair queue for the fleet's
+    slots; off by default (kvgate/admission/, docs/admission.md)."""
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     hostile: HostileSettings = Field(default_factory=HostileSettings)
     """Limits on hostile or oversized input: JSON depth and numbers, prompt tokens (docs/hostile-input.md)."""

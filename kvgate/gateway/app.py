@@ -20,6 +20,10 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from kvgate.admission.gate import Admission
+from kvgate.admission.metrics import AdmissionCollector
+from kvgate.admission.redis_store import RedisQuotaStore
+from kvgate.admission.store import MemoryQuotaStore, QuotaStore
 from kvgate.clock import Clock, MonotonicClock
 from kvgate.config import GatewaySettings
 from kvgate.discovery import make_source
@@ -82,6 +86,21 @@ def make_stores(settings: GatewaySettings, clock: Clock) -> tuple[ConversationSt
             MemoryFleet())
 
 
+def make_admission(settings: GatewaySettings, pool: WorkerPool) -> Admission | None:
+    a = settings.admission
+    if not a.enabled:
+        return None
+    shared = a.store == "redis" or (a.store == "auto" and settings.session_store == "redis")
+    store: QuotaStore = RedisQuotaStore(settings.redis_url, settings.redis_prefix, cluster=settings.redis_cluster) \
+        if shared else MemoryQuotaStore()
+    slots = a.worker_slots or 0
+
+    def capacity(model: str) -> int:
+        return slots * sum(1 for w in pool.all() if w.config.model == model and w.healthy)
+
+    return Admission(a, store, capacity, settings.retry_after_s)
+
+
 class Gateway:
     """Everything one gateway process owns; created per app, so tests can run several side by side."""
 
@@ -136,8 +155,11 @@ class Gateway:
         # The endpoint picker (kvgate/epp) relays and records responses Envoy forwards with the same objects.
         self.relay = Relay(self.pool, self.clock, m, recorder, self.policy.name, self.requests)
         sender = Sender(settings, router, self.upstream, self.clock, m, self.relay)
+        self.admission = make_admission(settings, self.pool)
+        if self.admission is not None:
+            m.registry.register(AdmissionCollector(self.admission))
         self.proxy = Proxy(Preparer(settings, self.pool, self.turns, self.prompts, self.runtime, m, router.holder,
-                                    self.prompt_limits),
+                                    self.prompt_limits, self.admission),
                            sender, m, self.tracing, self.auth)
         m.registry.register(PrefixCollector(
             self.prefix.events.stats, {"precise": self.prefix.index, "approximate": self.prefix.approx.index},
@@ -176,6 +198,8 @@ class Gateway:
             await self.membership.start(first_timeout_s=10.0)
         self.pool.start()
         self.runtime.start()
+        if self.admission is not None:
+            self.admission.start()
         self.requests.start(self.log_header())
 
     def log_header(self) -> dict[str, Any]:
@@ -191,6 +215,8 @@ class Gateway:
 
     async def stop(self) -> None:
         await self.auth.stop()
+        if self.admission is not None:
+            await self.admission.aclose()
         await self.runtime.aclose()
         await asyncio.to_thread(self.requests.close)
         await self.tiers.aclose()

@@ -7,6 +7,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from kvgate.admission.gate import Ticket
 from kvgate.gateway.engine_ids import EngineIds
 from kvgate.gateway.identity import Identity
 from kvgate.gateway.prompts import Prompt
@@ -87,6 +88,8 @@ class Prepared:
     """The caller may see kvgate's cache figures (auth: its own salt, or an operator)."""
     cache_salt: str | None = None
     """The salt kvgate put in the body (auth on): the tiers are probed under it."""
+    ticket: Ticket | None = None
+    """Admission's quota lease and fleet slot (admission on): released when the request ends."""
 
 
 @dataclass(slots=True)

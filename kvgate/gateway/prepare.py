@@ -16,13 +16,14 @@ from typing import Any
 from fastapi import Request
 
 from kvgate import safejson
+from kvgate.admission.gate import Admission, Ticket
 from kvgate.config import GatewaySettings
 from kvgate.errors import BadRequest, Conflict, NotFound, PayloadTooLarge
 from kvgate.gateway import identity
 from kvgate.gateway.auth import Principal, tenant_salt
 from kvgate.gateway.exchange import Endpoint, Prepared, Turn
 from kvgate.gateway.inputlimits import PromptLimits
-from kvgate.gateway.prompts import Held, PromptBuilder
+from kvgate.gateway.prompts import Held, Prompt, PromptBuilder
 from kvgate.gateway.requests import KVGATE_FIELDS, validate_chat, validate_completion
 from kvgate.gateway.runtime import SessionRuntime
 from kvgate.gateway.telemetry import GatewayMetrics
@@ -80,8 +81,11 @@ VALIDATE_INLINE_MESSAGES = 512
 class Preparer:
     def __init__(self, settings: GatewaySettings, pool: WorkerPool, turns: TurnService, prompts: PromptBuilder,
                  runtime: SessionRuntime, metrics: GatewayMetrics, held_for: Callable[[str], Held] | None = None,
-                 limits: PromptLimits | None = None) -> None:
+                 limits: PromptLimits | None = None, admission: Admission | None = None) -> None:
         self.settings = settings
+        self.admission = admission
+        """Admission on: the proxy's requests are admitted here, once the tenant and the prompt's tokens
+        are known and before anything is written for them."""
         self.limits = limits
         self.held_for = held_for
         """Which blocks the fleet holds: a conversation without a chain is tokenized only as far as
@@ -95,15 +99,20 @@ class Preparer:
     async def prepare(self, request: Request, endpoint: Endpoint, trace: RequestTrace = OFF,
                       principal: Principal | None = None) -> Prepared:
         body = await read_json(request, self.settings.max_body_bytes, self.settings.hostile.json_limits)
-        return await self.prepare_body(body, request.headers, endpoint, trace=trace, principal=principal)
+        return await self.prepare_body(body, request.headers, endpoint, trace=trace, principal=principal,
+                                       admit=self.admission is not None)
 
     async def prepare_body(self, body: dict[str, Any], headers: Mapping[str, str], endpoint: Endpoint, *,
-                           act: bool = True, trace: RequestTrace = OFF, principal: Principal | None = None
-                           ) -> Prepared:
+                           act: bool = True, trace: RequestTrace = OFF, principal: Principal | None = None,
+                           admit: bool = False) -> Prepared:
         """A parsed request body and its headers, prepared (the HTTP front, the endpoint picker and the
         control API's "where would this go" share it). ``act``: run the session controller's arrival
         commands (False for a question that sends nothing). ``principal``: the authenticated caller; with
-        auth on, its tenant replaces the tenant header and its salt goes into the body."""
+        auth on, its tenant replaces the tenant header and its salt goes into the body. ``admit``: hold the
+        request to its tenant's quota and a fleet slot (the HTTP front with admission on); the ticket in
+        the result must be released when the request ends."""
+        gate = self.admission if admit else None
+        priority = gate.priority(headers) if gate is not None else None  # a bad header: 400 at once
         msgs = body.get("messages")
         if isinstance(msgs, list) and len(msgs) > VALIDATE_INLINE_MESSAGES:
             # ~3.5 µs a message: tens of thousands would hold every other request up.
@@ -132,6 +141,25 @@ class Preparer:
             # Exact when complete; a prefix (tokenizing stopped early) is still a lower bound.
             self.limits.check_tokens(model, prompt.length if prompt.complete else len(prompt.tokens or ()))
         self.metrics.count_routed_prompt_tokens(model, prompt.source, prompt.length)
+        ticket: Ticket | None = None
+        if gate is not None and priority is not None:
+            trace.mark("admission")
+            # Before the session controller hears of the request: a refused one leaves no trace in any state.
+            ticket = await gate.admit(ident.tenant, model, priority, prompt.length)
+            body = self._worker_priority(body, model, priority)
+        try:
+            return self._finish(body, headers, endpoint, act, trace, principal, model, ident, conv, turn, prompt,
+                                salt, ticket)
+        except BaseException:
+            if ticket is not None:
+                ticket.release()
+            raise
+
+    def _finish(self, body: dict[str, Any], headers: Mapping[str, str], endpoint: Endpoint, act: bool,
+                trace: RequestTrace, principal: Principal | None, model: str, ident: identity.Identity,
+                conv: Conversation | None, turn: Turn | None, prompt: Prompt, salt: str | None,
+                ticket: Ticket | None) -> Prepared:
+        auth = self.settings.auth
         if turn is not None:
             turn.loss = self.turns.explain(conv, prompt, self.prompts.block_size(model), turn.canonical)
             turn.strip_ids = self._wants_ids(body, model)
@@ -153,7 +181,21 @@ class Preparer:
         # tenant's, so then only an operator sees them.
         show = not auth.enabled or salt is not None or (principal is not None and principal.operator)
         return Prepared(endpoint, model, ident, conv, prompt, payload, fwd, stream, hide, arrival, now,
-                        user_turn, turn, task, trace, show, salt)
+                        user_turn, turn, task, trace, show, salt, ticket)
+
+    def _worker_priority(self, body: dict[str, Any], model: str, priority: str) -> dict[str, Any]:
+        """The request's class as vLLM's ``priority`` (lower first; SGLang: higher first), when configured and
+        the model's workers all read it one way."""
+        s = self.settings.admission
+        if not s.worker_priority:
+            return body
+        n = s.interactive_priority if priority == "interactive" else s.batch_priority
+        engines = {w.config.engine for w in self.pool.all() if w.config.model == model}
+        if engines <= {"vllm", "sim"}:
+            return {**body, "priority": n}
+        if engines == {"sglang"}:
+            return {**body, "priority": -n}
+        return body
 
     def _check(self, body: dict[str, Any], endpoint: Endpoint) -> None:
         (validate_chat if endpoint == "chat" else validate_completion)(body)

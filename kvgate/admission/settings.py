@@ -1,0 +1,64 @@
+"""Admission settings: ``GatewaySettings.admission`` (README's settings table, docs/admission.md)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+Priority = Literal["interactive", "batch"]
+
+
+class TenantLimits(BaseModel):
+    """One tenant's limits; None: unlimited. In ``tenants`` only the fields given replace the defaults."""
+
+    max_concurrent: int | None = Field(None, ge=1)
+    """Requests of the tenant admitted and not finished (queued or running), on all replicas together."""
+    requests_per_minute: int | None = Field(None, ge=1)
+    tokens_per_minute: int | None = Field(None, ge=1)
+    """Prompt tokens (as kvgate counted them before routing); output tokens are not charged."""
+    weight: float = Field(1.0, gt=0, le=1000)
+    """Share of the fleet's slots while requests queue for them, relative to the other tenants waiting."""
+
+
+class AdmissionSettings(BaseModel):
+    enabled: bool = False
+    """Off: no limits, no queue (behaviour before issue 11 part 3)."""
+    defaults: TenantLimits = Field(default_factory=TenantLimits)
+    tenants: dict[str, TenantLimits] = Field(default_factory=dict)
+    """Tenant id -> overrides of ``defaults`` (the tenant of the credential; auth off: the tenant header,
+    "" for requests without one)."""
+    store: Literal["auto", "memory", "redis"] = "auto"
+    """Where the rate buckets and concurrency leases live; auto: Redis when ``session_store`` is redis
+    (shared by every replica), else this process's memory."""
+    worker_slots: int | None = Field(None, ge=1)
+    """Requests one worker runs at once (vLLM's ``--max-num-seqs``, which vLLM does not publish, so it is
+    configured here). Set: a model's requests beyond slots × healthy workers wait in this replica's fair
+    queue. None: no queue."""
+    queue_size: int = Field(256, ge=0)
+    """Requests waiting for a slot on this replica, all tenants together; more get 503."""
+    max_queue_wait_s: float = Field(10.0, gt=0)
+    """A request that waited this long for a slot gets 503."""
+    lease_ttl_s: float = Field(30.0, ge=1)
+    """A concurrency lease expires this long after its holder last renewed it (every third of it), so the
+    slots of a replica that died return to its tenants."""
+    priority_header: str = "x-kvgate-priority"
+    """``interactive`` or ``batch``: interactive requests leave the queue first."""
+    default_priority: Priority = "interactive"
+    worker_priority: bool = False
+    """Send the class to vLLM workers as the request's ``priority`` (effective only when the worker runs
+    ``--scheduling-policy priority``; SGLang workers get it negated). Overrides a client's own."""
+    interactive_priority: int = 0
+    batch_priority: int = 10
+    """vLLM's sense: lower runs first."""
+
+    @field_validator("priority_header")
+    @classmethod
+    def _lower(cls, v: str) -> str:
+        return v.strip().lower()
+
+    def limits_for(self, tenant: str) -> TenantLimits:
+        over = self.tenants.get(tenant)
+        if over is None:
+            return self.defaults
+        return self.defaults.model_copy(update={k: getattr(over, k) for k in over.model_fields_set})

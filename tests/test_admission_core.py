@@ -1,0 +1,247 @@
+"""Admission's pure cores (issue 11 part 3): the token bucket, the quota check, the weighted-fair queue,
+the gate's slots; and the Redis store's script against the memory store's core."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from kvgate.admission.bucket import Bucket, Rate, refill, wait_s
+from kvgate.admission.fairqueue import FairQueue
+from kvgate.admission.gate import Admission, RateLimited, parse_priority
+from kvgate.admission.quota import Quota, TenantState, admit, release, renew, retry_after_header
+from kvgate.admission.redis_store import RedisQuotaStore
+from kvgate.admission.settings import AdmissionSettings, TenantLimits
+from kvgate.admission.store import MemoryQuotaStore
+from kvgate.errors import BadRequest, ServiceUnavailable
+
+REDIS = "redis://127.0.0.1:6379/0"
+
+
+def test_bucket_starts_full_refills_at_its_rate_and_caps() -> None:
+    r = Rate(60)  # one a second
+    b = refill(None, r, 100.0)
+    assert b == Bucket(60.0, 100.0)
+    b = Bucket(0.0, 100.0)
+    assert refill(b, r, 110.0).level == pytest.approx(10.0)
+    assert refill(b, r, 1000.0).level == 60.0  # at most a minute's worth
+    assert refill(Bucket(5.0, 100.0), r, 90.0) == Bucket(5.0, 100.0)  # a clock that went back adds nothing
+    assert wait_s(Bucket(0.5, 0.0), r, 1) == pytest.approx(0.5)
+    assert wait_s(Bucket(3.0, 0.0), r, 2) == 0.0
+    assert math.isinf(wait_s(Bucket(60.0, 0.0), r, 61))
+
+
+def test_quota_is_all_or_nothing_and_says_when_to_retry() -> None:
+    q = Quota(requests_per_minute=2, tokens_per_minute=100)
+    s = TenantState()
+    s, v = admit(s, q, 0.0, 60, "a", 30)
+    assert v.ok
+    s, v = admit(s, q, 0.0, 60, "b", 30)  # 40 tokens left: refused for tokens, and no request spent
+    assert not v.ok and v.limit == "tokens_per_minute" and v.limit_value == 100
+    assert v.retry_after_s == pytest.approx(20 * 60 / 100)
+    assert s.requests is not None and s.requests.level == pytest.approx(1.0)
+    s, v = admit(s, q, 0.0, 10, "c", 30)
+    assert v.ok
+    s, v = admit(s, q, 0.0, 1, "d", 30)
+    assert not v.ok and v.limit == "requests_per_minute" and v.retry_after_s == pytest.approx(30.0)
+    assert retry_after_header(v, 1) == "30"
+    _, v = admit(TenantState(), q, 0.0, 101, "e", 30)  # larger than a minute's tokens: never
+    assert not v.ok and v.retry_after_s == math.inf and retry_after_header(v, 1) is None
+
+
+def test_concurrency_leases_release_and_expire() -> None:
+    q = Quota(max_concurrent=2)
+    s = TenantState()
+    s, v1 = admit(s, q, 0.0, 1, "a", 30)
+    s, v2 = admit(s, q, 0.0, 1, "b", 30)
+    s, v3 = admit(s, q, 1.0, 1, "c", 30)
+    assert v1.ok and v2.ok and not v3.ok and v3.limit == "max_concurrent" and v3.retry_after_s is None
+    assert retry_after_header(v3, 2) == "2"
+    s = release(s, "a")
+    s, v = admit(s, q, 1.0, 1, "c", 30)
+    assert v.ok
+    s = renew(s, {"c"}, 100.0)  # "b" belongs to a replica that died: it is not renewed
+    s, v = admit(s, q, 31.0, 1, "d", 30)
+    assert v.ok and set(s.leases) == {"c", "d"}
+
+
+def test_fair_queue_shares_by_weight() -> None:
+    q: FairQueue[str] = FairQueue(100)
+    for i in range(30):
+        assert q.push("heavy", 2.0, "interactive", f"h{i}")
+        assert q.push("light", 1.0, "interactive", f"l{i}")
+    served = Counter((q.pop() or "?")[0] for _ in range(30))
+    assert served == {"h": 20, "l": 10}
+
+
+def test_fair_queue_interactive_first_then_fifo_per_tenant() -> None:
+    q: FairQueue[str] = FairQueue(10)
+    q.push("a", 1.0, "batch", "a-batch-1")
+    q.push("a", 1.0, "batch", "a-batch-2")
+    q.push("b", 1.0, "interactive", "b-int-1")
+    q.push("a", 1.0, "interactive", "a-int-1")
+    out = [q.pop() for _ in range(4)]
+    assert out[:2] in (["b-int-1", "a-int-1"], ["a-int-1", "b-int-1"])
+    assert out[2:] == ["a-batch-1", "a-batch-2"]
+    assert q.pop() is None and len(q) == 0
+
+
+def test_fair_queue_is_bounded_and_an_idle_tenant_banks_no_burst() -> None:
+    q: FairQueue[str] = FairQueue(3)
+    items = [f"a{i}" for i in range(3)]
+    assert all(q.push("a", 1.0, "interactive", it) for it in items)
+    assert q.full and not q.push("b", 1.0, "interactive", "b0")
+    assert q.remove("a", items[1]) and not q.remove("a", items[1])  # by identity: one waiter, not its twin
+    for _ in range(10):  # a serves alone for a while; b then joins at the current virtual time
+        q.pop()
+        q.push("a", 1.0, "interactive", "a")
+    q.push("b", 1.0, "interactive", "b")
+    order = [q.pop() for _ in range(3)]
+    assert order.count("b") == 1  # alternates from here on; b does not get 10 in a row
+
+
+def test_priority_header_values() -> None:
+    assert parse_priority(None, "interactive", "h") == "interactive"
+    assert parse_priority(" Batch ", "interactive", "h") == "batch"
+    with pytest.raises(BadRequest):
+        parse_priority("urgent", "interactive", "h")
+
+
+def gate(cap: list[int], **kw: object) -> Admission:
+    s = AdmissionSettings.model_validate({"enabled": True, "worker_slots": 1, "queue_size": 2,
+                                          "max_queue_wait_s": 5.0, **kw})
+    return Admission(s, MemoryQuotaStore(), lambda model: cap[0], 1)
+
+
+async def test_gate_queues_in_fair_order_and_refuses_when_full() -> None:
+    cap = [1]
+    g = gate(cap, tenants={"b": {"weight": 1.0}})
+    t0 = await g.admit("a", "m", "interactive", 1)
+    order: list[str] = []
+
+    async def wait(tenant: str, prio: str) -> None:
+        t = await g.admit(tenant, "m", prio, 1)  # type: ignore[arg-type]
+        order.append(f"{tenant}:{prio}")
+        t.release()
+
+    w1 = asyncio.create_task(wait("a", "batch"))
+    w2 = asyncio.create_task(wait("b", "interactive"))
+    await asyncio.sleep(0.01)
+    assert g.queued("m") == 2
+    with pytest.raises(ServiceUnavailable) as exc:
+        await g.admit("c", "m", "interactive", 1)
+    assert exc.value.code == "queue_full" and exc.value.headers["Retry-After"] == "1"
+    t0.release()
+    await asyncio.gather(w1, w2)
+    assert order == ["b:interactive", "a:batch"]
+    assert g.busy("m") == 0 and g.queued() == 0
+
+
+async def test_gate_wait_times_out_and_a_cancelled_waiter_frees_its_place() -> None:
+    cap = [1]
+    g = gate(cap, max_queue_wait_s=0.05)
+    t0 = await g.admit("a", "m", "interactive", 1)
+    with pytest.raises(ServiceUnavailable) as exc:
+        await g.admit("a", "m", "interactive", 1)
+    assert exc.value.code == "queue_timeout"
+    assert g.queued() == 0 and g.rejected == {"queue_timeout": 1}
+    g.settings.max_queue_wait_s = 5.0
+    waiter = asyncio.create_task(g.admit("b", "m", "interactive", 1))
+    await asyncio.sleep(0.01)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert g.queued() == 0
+    t0.release()
+    assert g.busy("m") == 0
+    t1 = await g.admit("b", "m", "interactive", 1)  # the slot is free again
+    t1.release()
+
+
+async def test_gate_refuses_over_the_tenant_limit_with_openai_shape() -> None:
+    g = gate([0], defaults={"max_concurrent": 1, "requests_per_minute": 100})
+    t = await g.admit("a", "m", "interactive", 1)
+    with pytest.raises(RateLimited) as exc:
+        await g.admit("a", "m", "interactive", 1)
+    body = exc.value.body()["error"]
+    assert exc.value.status == 429 and body["code"] == "rate_limit_exceeded"
+    assert body["type"] == "concurrent_requests" and "Limit 1" in body["message"]
+    assert exc.value.headers["Retry-After"] == "1"
+    t.release()
+    t.release()  # idempotent
+    await asyncio.sleep(0)  # the lease is given back off the request's path
+    (await g.admit("a", "m", "interactive", 1)).release()
+    await g.aclose()
+
+
+def test_tenant_overrides_replace_only_the_fields_given() -> None:
+    s = AdmissionSettings(defaults=TenantLimits(max_concurrent=4, requests_per_minute=60),
+                          tenants={"big": TenantLimits(max_concurrent=16, weight=4)})
+    big = s.limits_for("big")
+    assert (big.max_concurrent, big.requests_per_minute, big.weight) == (16, 60, 4)
+    assert s.limits_for("other") == s.defaults
+
+
+@pytest.fixture
+async def redis_store() -> AsyncIterator[RedisQuotaStore]:
+    prefix = f"kvgate-test-adm:{uuid.uuid4().hex[:8]}:"
+    store = RedisQuotaStore(REDIS, prefix)
+    yield store
+    await store.close()
+    r = aioredis.from_url(REDIS)
+    keys = [k async for k in r.scan_iter(match=f"{prefix}*")]
+    if keys:
+        await r.delete(*keys)
+    await r.aclose()
+
+
+async def test_redis_script_decides_as_the_core_does(redis_store: RedisQuotaStore) -> None:
+    mem = MemoryQuotaStore()
+    q = Quota(max_concurrent=3, requests_per_minute=4, tokens_per_minute=1000)
+    steps = [300, 300, 500, 300, 10, 10, 10]  # tokens, then requests, then concurrency refuse
+    got_mem, got_redis = [], []
+    for i, tokens in enumerate(steps):
+        for store, out in ((mem, got_mem), (redis_store, got_redis)):
+            v = await store.admit("t", q, tokens, f"l{i}", 30)
+            out.append((v.ok, v.limit))
+    assert got_mem == got_redis
+    assert [lim for _, lim in got_redis] == [None, None, "tokens_per_minute", None, "max_concurrent",
+                                             "max_concurrent", "max_concurrent"]
+    await redis_store.release("t", "l0")
+    assert (await redis_store.admit("t", q, 10, "x", 30)).ok  # the fourth request of the minute
+    await redis_store.release("t", "x")
+    assert await redis_store.leases("t") == 2
+    v = await redis_store.admit("t", q, 10, "y", 30)
+    assert v.limit == "requests_per_minute" and 0 < (v.retry_after_s or 0) <= 15
+    v = await redis_store.admit("t", Quota(tokens_per_minute=5), 6, "y", 30)
+    assert v.limit == "tokens_per_minute" and v.retry_after_s == math.inf
+
+
+async def test_redis_leases_expire_unless_renewed(redis_store: RedisQuotaStore) -> None:
+    q = Quota(max_concurrent=2)
+    assert (await redis_store.admit("t", q, 1, "kept", 1.0)).ok
+    assert (await redis_store.admit("t", q, 1, "dead", 1.0)).ok
+    assert not (await redis_store.admit("t", q, 1, "x", 1.0)).ok
+    for _ in range(3):  # the live replica renews; the dead one's lease runs out
+        await asyncio.sleep(0.5)
+        await redis_store.renew({"t": {"kept"}}, 1.0)
+    assert await redis_store.leases("t") == 1
+    assert (await redis_store.admit("t", q, 1, "new", 30)).ok
+
+
+async def test_a_quota_store_that_is_down_admits_unmetered() -> None:
+    from tests.conftest import free_port
+
+    s = AdmissionSettings(enabled=True, defaults=TenantLimits(max_concurrent=1, requests_per_minute=1))
+    g = Admission(s, RedisQuotaStore(f"redis://127.0.0.1:{free_port()}/0"), lambda model: 0, 1)
+    tickets = [await g.admit("a", "m", "interactive", 1) for _ in range(3)]  # over both limits, yet served
+    assert all(t.lease is None for t in tickets) and g.rejected == {}
+    for t in tickets:
+        t.release()
+    await g.aclose()
