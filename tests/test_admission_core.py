@@ -15,7 +15,18 @@ import redis.asyncio as aioredis
 from kvgate.admission.bucket import Bucket, Rate, refill, wait_s
 from kvgate.admission.fairqueue import FairQueue
 from kvgate.admission.gate import Admission, RateLimited, parse_priority
-from kvgate.admission.quota import Quota, TenantState, admit, release, renew, retry_after_header
+from kvgate.admission.quota import (
+    Quota,
+    TenantState,
+    admit,
+    charge,
+    duration,
+    level,
+    ratelimit_headers,
+    release,
+    renew,
+    retry_after_header,
+)
 from kvgate.admission.redis_store import RedisQuotaStore
 from kvgate.admission.settings import AdmissionSettings, TenantLimits
 from kvgate.admission.store import MemoryQuotaStore
@@ -53,6 +64,31 @@ def test_quota_is_all_or_nothing_and_says_when_to_retry() -> None:
     assert retry_after_header(v, 1) == "30"
     _, v = admit(TenantState(), q, 0.0, 101, "e", 30)  # larger than a minute's tokens: never
     assert not v.ok and v.retry_after_s == math.inf and retry_after_header(v, 1) is None
+
+
+def test_an_admitted_request_says_what_its_limits_have_left() -> None:
+    q = Quota(requests_per_minute=60, tokens_per_minute=600)
+    s, v = admit(TenantState(), q, 0.0, 150, "a", 30)
+    assert v.requests is not None and v.tokens is not None
+    assert (v.requests.limit, v.requests.remaining, v.requests.reset_s) == (60, 59.0, pytest.approx(1.0))
+    assert (v.tokens.remaining, v.tokens.reset_s) == (450.0, pytest.approx(15.0))
+    assert ratelimit_headers(v) == {
+        "x-ratelimit-limit-requests": "60", "x-ratelimit-remaining-requests": "59", "x-ratelimit-reset-requests": "1s",
+        "x-ratelimit-limit-tokens": "600", "x-ratelimit-remaining-tokens": "450", "x-ratelimit-reset-tokens": "15s"}
+    assert ratelimit_headers(admit(TenantState(), Quota(max_concurrent=2), 0.0, 1, "a", 30)[1]) == {}
+    assert [duration(x) for x in (0.012, 1.0, 59.2, 360.0, 3723.0)] == ["12ms", "1s", "1m0s", "6m0s", "1h2m3s"]
+
+
+def test_a_forced_charge_goes_into_debt_of_at_most_a_minute() -> None:
+    s = charge(TenantState(), "tokens", 600, 0.0, 500)  # a completion of 500 tokens after the fact
+    assert level(s, "tokens", 600, 0.0) == pytest.approx(100.0)
+    s = charge(s, "tokens", 600, 0.0, 5000)
+    assert level(s, "tokens", 600, 0.0) == pytest.approx(-600.0)  # the debt stops at a minute's worth
+    assert level(s, "tokens", 600, 90.0) == pytest.approx(300.0)  # ... and is paid back at the rate
+    _, v = admit(s, Quota(tokens_per_minute=600), 30.0, 10, "a", 30)  # in debt: refused until repaid
+    assert not v.ok and v.retry_after_s == pytest.approx(31.0)  # -300 at 30 s: 310 tokens to go at 10/s
+    p = charge(TenantState(), "prefill", 60, 0.0, 45)
+    assert level(p, "prefill", 60, 0.0) == pytest.approx(15.0) and p.tokens is None  # buckets are apart
 
 
 def test_concurrency_leases_release_and_expire() -> None:
@@ -221,6 +257,39 @@ async def test_redis_script_decides_as_the_core_does(redis_store: RedisQuotaStor
     assert v.limit == "requests_per_minute" and 0 < (v.retry_after_s or 0) <= 15
     v = await redis_store.admit("t", Quota(tokens_per_minute=5), 6, "y", 30)
     assert v.limit == "tokens_per_minute" and v.retry_after_s == math.inf
+
+
+async def test_redis_charges_and_levels_as_the_core_does(redis_store: RedisQuotaStore) -> None:
+    mem = MemoryQuotaStore()
+    for store in (mem, redis_store):
+        assert await store.level("t", "prefill", 600) == pytest.approx(600.0)  # a new bucket is full
+        await store.charge("t", "prefill", 600, 450)
+        await store.charge("t", "tokens", 600, 100)
+        assert await store.level("t", "prefill", 600) == pytest.approx(150.0, abs=1.0)
+        assert await store.level("t", "tokens", 600) == pytest.approx(500.0, abs=1.0)
+        await store.charge("t", "prefill", 600, 10_000)
+        assert await store.level("t", "prefill", 600) == pytest.approx(-600.0, abs=1.0)
+    v = await redis_store.admit("u", Quota(requests_per_minute=10, tokens_per_minute=1000), 100, "l", 30)
+    assert v.ok and v.requests is not None and v.tokens is not None
+    assert (v.requests.remaining, v.tokens.remaining) == (9.0, 900.0)
+
+
+def test_the_memory_store_forgets_idle_tenants() -> None:
+    now = [0.0]
+    store = MemoryQuotaStore(lambda: now[0], sweep_every=4)
+    q = Quota(max_concurrent=1, requests_per_minute=10)
+
+    async def run() -> None:
+        for i in range(3):
+            await store.admit(f"idle{i}", q, 1, "x", 30)
+            await store.release(f"idle{i}", "x")
+        await store.admit("busy", q, 1, "held", 1000)  # its lease is live
+        now[0] = 500.0
+        for i in range(4):
+            await store.admit(f"new{i}", q, 1, "y", 30)
+
+    asyncio.run(run())
+    assert store.tenants() == 5  # the busy one and the four new ones
 
 
 async def test_redis_leases_expire_unless_renewed(redis_store: RedisQuotaStore) -> None:

@@ -43,3 +43,9 @@ def wait_s(b: Bucket, rate: Rate, cost: float) -> float:
     if cost > rate.capacity:
         return math.inf
     return max(0.0, (cost - b.level) / rate.per_s)
+
+
+def debit(b: Bucket, rate: Rate, amount: float) -> Bucket:
+    """``b`` less ``amount``, into debt if need be but never more than a minute's worth (a tenant that
+    overspent once waits at most a minute longer, not forever)."""
+    return Bucket(max(-rate.capacity, b.level - amount), b.at)

@@ -16,7 +16,16 @@ class TenantLimits(BaseModel):
     """Requests of the tenant admitted and not finished (queued or running), on all replicas together."""
     requests_per_minute: int | None = Field(None, ge=1)
     tokens_per_minute: int | None = Field(None, ge=1)
-    """Prompt tokens (as kvgate counted them before routing); output tokens are not charged."""
+    """Prompt and completion tokens: the prompt (as kvgate counted it before routing) is checked and taken
+    at admission, the completion taken when the response ends (into debt if need be, at most a minute's
+    worth), as OpenAI counts both."""
+    max_parked_kv_tokens: int | None = Field(None, ge=0)
+    """KV the tenant's conversations may keep reserved on workers while their tools run (tokens, all
+    replicas together); a tool wait that would go over it releases its KV instead (and prefetches it
+    back when a remote tier holds it)."""
+    prefill_tokens_per_minute: int | None = Field(None, ge=1)
+    """Tokens of background prefill (the next turn's canonical prefix, computed while the user reads) the
+    tenant may have issued per minute; over it a prefill is not issued."""
     weight: float = Field(1.0, gt=0, le=1000)
     """Share of the fleet's slots while requests queue for them, relative to the other tenants waiting."""
 
