@@ -68,7 +68,7 @@ def test_quota_is_all_or_nothing_and_says_when_to_retry() -> None:
 
 def test_an_admitted_request_says_what_its_limits_have_left() -> None:
     q = Quota(requests_per_minute=60, tokens_per_minute=600)
-    s, v = admit(TenantState(), q, 0.0, 150, "a", 30)
+    _, v = admit(TenantState(), q, 0.0, 150, "a", 30)
     assert v.requests is not None and v.tokens is not None
     assert (v.requests.limit, v.requests.remaining, v.requests.reset_s) == (60, 59.0, pytest.approx(1.0))
     assert (v.tokens.remaining, v.tokens.reset_s) == (450.0, pytest.approx(15.0))
