@@ -13,7 +13,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from kvgate.admission.bucket import Bucket, Rate, refill, wait_s
-from kvgate.admission.fairqueue import FairQueue
+from kvgate.admission.capacity import SlotEstimate, foreign, free_slots, learn_slots, model_capacity
 from kvgate.admission.gate import Admission, RateLimited, parse_priority
 from kvgate.admission.quota import (
     Quota,
@@ -29,6 +29,7 @@ from kvgate.admission.quota import (
 )
 from kvgate.admission.redis_store import RedisQuotaStore
 from kvgate.admission.settings import AdmissionSettings, TenantLimits
+from kvgate.admission.slots import SlotPool
 from kvgate.admission.store import MemoryQuotaStore
 from kvgate.errors import BadRequest, ServiceUnavailable
 
@@ -107,39 +108,112 @@ def test_concurrency_leases_release_and_expire() -> None:
     assert v.ok and set(s.leases) == {"c", "d"}
 
 
-def test_fair_queue_shares_by_weight() -> None:
-    q: FairQueue[str] = FairQueue(100)
+def pool_of(cap_share: float | None = None, size: int = 100) -> SlotPool[str]:
+    return SlotPool(size, cap_share)
+
+
+def test_slots_go_to_the_tenant_holding_fewest_for_its_weight() -> None:
+    p = pool_of()
+    for name, w in (("heavy", 2.0), ("light", 1.0)):
+        p.arrive(name, w, 0.0)
     for i in range(30):
-        assert q.push("heavy", 2.0, "interactive", f"h{i}")
-        assert q.push("light", 1.0, "interactive", f"l{i}")
-    served = Counter((q.pop() or "?")[0] for _ in range(30))
-    assert served == {"h": 20, "l": 10}
+        assert p.push("heavy", "interactive", f"h{i}") and p.push("light", "interactive", f"l{i}")
+    granted = p.grant(30, 0.0)  # nothing ends meanwhile: held slots are what is compared
+    assert Counter(x[0] for x in granted) == {"h": 20, "l": 10}
+    assert p.held("heavy") == 20 and p.busy == 30
+    assert p.grant(31, 0.0) == ["l10"]  # 20/2 == 10/1: the longest waiting head goes
 
 
-def test_fair_queue_interactive_first_then_fifo_per_tenant() -> None:
-    q: FairQueue[str] = FairQueue(10)
-    q.push("a", 1.0, "batch", "a-batch-1")
-    q.push("a", 1.0, "batch", "a-batch-2")
-    q.push("b", 1.0, "interactive", "b-int-1")
-    q.push("a", 1.0, "interactive", "a-int-1")
-    out = [q.pop() for _ in range(4)]
+def test_a_waiter_goes_before_a_newcomer_that_holds_more() -> None:
+    p = pool_of()
+    p.arrive("a", 1.0, 0.0)
+    p.arrive("b", 1.0, 0.0)
+    assert p.try_take("a", "interactive", 2, 0.0) and p.try_take("a", "interactive", 2, 0.0)
+    assert not p.try_take("b", "interactive", 2, 0.0)  # full
+    assert p.push("b", "interactive", "b0")
+    p.release("a", 0.0)
+    assert not p.try_take("a", "interactive", 2, 0.0)  # b waits and holds fewer: it goes first
+    assert p.grant(2, 0.0) == ["b0"]
+
+
+def test_interactive_first_then_fifo_per_tenant() -> None:
+    p = pool_of()
+    p.arrive("a", 1.0, 0.0)
+    p.arrive("b", 1.0, 0.0)
+    p.push("a", "batch", "a-batch-1")
+    p.push("a", "batch", "a-batch-2")
+    p.push("b", "interactive", "b-int-1")
+    p.push("a", "interactive", "a-int-1")
+    out = p.grant(4, 0.0)
     assert out[:2] in (["b-int-1", "a-int-1"], ["a-int-1", "b-int-1"])
     assert out[2:] == ["a-batch-1", "a-batch-2"]
-    assert q.pop() is None and len(q) == 0
+    assert p.grant(5, 0.0) == [] and len(p) == 0
 
 
-def test_fair_queue_is_bounded_and_an_idle_tenant_banks_no_burst() -> None:
-    q: FairQueue[str] = FairQueue(3)
+def test_the_queue_is_bounded_and_a_removed_waiter_is_gone() -> None:
+    p = pool_of(size=3)
+    p.arrive("a", 1.0, 0.0)
     items = [f"a{i}" for i in range(3)]
-    assert all(q.push("a", 1.0, "interactive", it) for it in items)
-    assert q.full and not q.push("b", 1.0, "interactive", "b0")
-    assert q.remove("a", items[1]) and not q.remove("a", items[1])  # by identity: one waiter, not its twin
-    for _ in range(10):  # a serves alone for a while; b then joins at the current virtual time
-        q.pop()
-        q.push("a", 1.0, "interactive", "a")
-    q.push("b", 1.0, "interactive", "b")
-    order = [q.pop() for _ in range(3)]
-    assert order.count("b") == 1  # alternates from here on; b does not get 10 in a row
+    assert all(p.push("a", "interactive", it) for it in items)
+    assert p.full and not p.push("a", "interactive", "a3")
+    assert p.remove("a", items[1], 0.0) and not p.remove("a", items[1], 0.0)  # by identity
+    assert p.grant(10, 0.0) == ["a0", "a2"]
+
+
+def test_a_heavy_tenant_keeps_to_its_share_while_a_light_one_is_active() -> None:
+    p = pool_of(cap_share=10.0)
+    p.arrive("heavy", 1.0, 0.0)
+    assert sum(p.try_take("heavy", "interactive", 12, 0.0) for _ in range(12)) == 12  # alone: everything
+    for _ in range(12):
+        p.release("heavy", 1.0)
+    p.arrive("light", 1.0, 1.0)  # light asks once, and is active for the window
+    assert p.try_take("light", "interactive", 12, 1.0)
+    p.release("light", 1.5)
+    taken = sum(p.try_take("heavy", "interactive", 12, 2.0) for _ in range(12))
+    assert taken == 6  # half of 12 while light is active, though light holds nothing right now
+    assert p.share("heavy", 12, 2.0) == 6.0
+    for _ in range(3):  # light's burst finds room
+        assert p.try_take("light", "interactive", 12, 2.0)
+    assert not p.try_take("heavy", "interactive", 12, 2.0)
+    p.push("heavy", "interactive", "h-late")
+    assert p.grant(12, 5.0) == []  # free slots, but heavy is at its share
+    for _ in range(3):
+        p.release("light", 11.0)
+    assert p.grant(12, 11.5) == ["h-late"]  # light's window ran out: heavy may have all
+
+
+def test_weights_divide_the_share() -> None:
+    p = pool_of(cap_share=10.0)
+    p.arrive("big", 3.0, 0.0)
+    p.arrive("small", 1.0, 0.0)
+    assert p.share("big", 12, 0.0) == 9.0 and p.share("small", 12, 0.0) == 3.0
+    assert p.share("small", 2, 0.0) == 0.5 and p.try_take("small", "interactive", 2, 0.0)  # one slot at least
+
+
+def test_no_capacity_known_means_nobody_waits_and_idle_tenants_are_forgotten() -> None:
+    p = pool_of(cap_share=1.0)
+    for i in range(3000):
+        p.arrive(f"t{i}", 1.0, float(i))
+        assert p.try_take(f"t{i}", "batch", None, float(i))
+        p.release(f"t{i}", float(i))
+    assert p.busy == 0 and p.tenants() <= 256  # a sweep every 256 releases: those active since, at most
+
+
+def test_slot_caps_are_learned_from_the_engine_counters() -> None:
+    e = SlotEstimate()
+    e = learn_slots(e, running=3, waiting=0, now=0.0)
+    assert e.cap is None  # never seen saturated: unknown
+    e = learn_slots(e, running=4, waiting=2, now=1.0)
+    assert e == SlotEstimate(4, 1.0)
+    e = learn_slots(e, running=4, waiting=0, now=30.0)
+    assert e.cap == 4  # at the cap with nothing waiting: maybe the gateway holds back, not probed yet
+    e = learn_slots(e, running=4, waiting=0, now=61.0)
+    assert e == SlotEstimate(5, 61.0)  # a minute unsaturated: one more
+    e = learn_slots(e, running=3, waiting=1, now=62.0)
+    assert e.cap == 3  # KV ran short: what it runs now
+    assert foreign(running=5, waiting=2, own_in_flight=4) == 3 and foreign(1, 0, 4) == 0
+    assert free_slots(4, 3) == 1 and free_slots(4, 9) == 0 and free_slots(None, 3) is None
+    assert model_capacity([2, 3]) == 5 and model_capacity([2, None]) is None
 
 
 def test_priority_header_values() -> None:
@@ -149,7 +223,7 @@ def test_priority_header_values() -> None:
         parse_priority("urgent", "interactive", "h")
 
 
-def gate(cap: list[int], **kw: object) -> Admission:
+def gate(cap: list[int | None], **kw: object) -> Admission:
     s = AdmissionSettings.model_validate({"enabled": True, "worker_slots": 1, "queue_size": 2,
                                           "max_queue_wait_s": 5.0, **kw})
     return Admission(s, MemoryQuotaStore(), lambda model: cap[0], 1)
@@ -201,7 +275,7 @@ async def test_gate_wait_times_out_and_a_cancelled_waiter_frees_its_place() -> N
 
 
 async def test_gate_refuses_over_the_tenant_limit_with_openai_shape() -> None:
-    g = gate([0], defaults={"max_concurrent": 1, "requests_per_minute": 100})
+    g = gate([None], defaults={"max_concurrent": 1, "requests_per_minute": 100})
     t = await g.admit("a", "m", "interactive", 1)
     with pytest.raises(RateLimited) as exc:
         await g.admit("a", "m", "interactive", 1)
@@ -308,7 +382,7 @@ async def test_a_quota_store_that_is_down_admits_unmetered() -> None:
     from tests.conftest import free_port
 
     s = AdmissionSettings(enabled=True, defaults=TenantLimits(max_concurrent=1, requests_per_minute=1))
-    g = Admission(s, RedisQuotaStore(f"redis://127.0.0.1:{free_port()}/0"), lambda model: 0, 1)
+    g = Admission(s, RedisQuotaStore(f"redis://127.0.0.1:{free_port()}/0"), lambda model: None, 1)
     tickets = [await g.admit("a", "m", "interactive", 1) for _ in range(3)]  # over both limits, yet served
     assert all(t.lease is None for t in tickets) and g.rejected == {}
     for t in tickets:

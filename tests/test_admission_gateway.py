@@ -177,3 +177,47 @@ async def test_the_class_goes_to_vllm_workers_as_priority_only_when_configured(m
         sent = json.loads(p.payload)
         # On: kvgate's value replaces the client's (it would otherwise jump the queue); off: the client's.
         assert sent["priority"] == (expected if send else -5)
+
+
+async def test_success_carries_openai_ratelimit_headers_and_completions_count(make_cluster: Any) -> None:
+    c = await make_cluster(1, admission={"enabled": True,
+                                         "defaults": {"requests_per_minute": 10, "tokens_per_minute": 600}})
+    async with httpx.AsyncClient(base_url=c.url, timeout=30) as h:
+        r = await h.post("/v1/chat/completions", json=body("word " * 100), headers=headers("t"))
+        assert r.status_code == 200, r.text
+        prompt = r.json()["usage"]["prompt_tokens"]
+        assert r.headers["x-ratelimit-limit-requests"] == "10" and r.headers["x-ratelimit-remaining-requests"] == "9"
+        assert r.headers["x-ratelimit-limit-tokens"] == "600"
+        # The prompt as counted, not as estimated from its characters.
+        assert int(r.headers["x-ratelimit-remaining-tokens"]) == 600 - prompt
+        assert r.headers["x-ratelimit-reset-requests"].endswith("s")
+        completion = r.json()["usage"]["completion_tokens"]
+        store = gate(c).store
+
+        async def charged() -> bool:
+            left = await store.level("t", "tokens", 600)
+            return bool(left <= 600 - prompt - completion + 15)  # refilled 10 tokens a second meanwhile
+
+        await eventually(charged)
+        # A tenant without rate limits gets no such headers.
+        c2 = await make_cluster(1, admission={"enabled": True, "defaults": {"max_concurrent": 3}})
+        r = await h.post(c2.url + "/v1/chat/completions", json=body(), headers=headers("t"))
+        assert r.status_code == 200 and not any(k.startswith("x-ratelimit") for k in r.headers)
+
+
+async def test_a_client_that_leaves_while_queued_frees_its_place(make_cluster: Any) -> None:
+    c = await make_cluster(1, sim=SLOW, admission={"enabled": True, "worker_slots": 1, "queue_size": 1,
+                                                   "max_queue_wait_s": 60})
+    a = gate(c)
+    async with httpx.AsyncClient(base_url=c.url, timeout=60) as h:
+        async with held_stream(h, c.url, "heavy"):
+            leaving = asyncio.create_task(h.post("/v1/chat/completions", json=body(), headers=headers("gone")))
+            await eventually(lambda: a.queued(MODEL) == 1)
+            leaving.cancel()  # the connection closes while the request waits for a slot
+            with pytest.raises(asyncio.CancelledError):
+                await leaving
+            await eventually(lambda: a.queued(MODEL) == 0)  # not after max_queue_wait_s
+            queued = asyncio.create_task(h.post("/v1/chat/completions", json=body(), headers=headers("next")))
+            await eventually(lambda: a.queued(MODEL) == 1)  # the place is free for the next one
+        assert (await queued).status_code == 200
+    assert await c.gateway.store.get(ConversationId("gone/x")) is None

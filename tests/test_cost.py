@@ -157,3 +157,19 @@ def test_reserved_kv_steers_newcomers_elsewhere() -> None:
     assert m.reservation_ms(tier_req(30_000), parked) == 0
     d = m.pick(tier_req(50_000), FleetView((parked, free)))
     assert d is not None and d.worker == "w1"
+
+
+def test_a_full_engine_is_charged_the_wait_for_a_running_slot() -> None:
+    m = CostModel(P)
+    full = w(0, in_flight=3, decode_requests=3, max_running=4, foreign_requests=1, service_ms=1000)
+    free = w(1, in_flight=3, decode_requests=3, max_running=4, service_ms=1000)
+    # 3 of this replica's and 1 of another's: the newcomer waits for 1 of 4 running to finish (~1000/5 ms).
+    assert m.slot_wait_ms(full) == pytest.approx(200.0)
+    assert m.slot_wait_ms(free) == 0.0 and m.slot_wait_ms(w(2, in_flight=9)) == 0.0  # cap or time unknown
+    d = m.pick(req(300), FleetView((full, free)))
+    assert d is not None and d.worker == "w1"  # cold: where a slot is free
+    # A long prefix cached on the full one is worth the wait there (recomputing 8,000 tokens: ~800 ms).
+    d = m.pick(req(8200, {"w0": 500}), FleetView((full, free)))
+    assert d is not None and d.worker == "w0" and d.expected_cached_tokens == 8000
+    off = CostModel(P.model_copy(update={"slot_wait_weight": 0.0}))
+    assert off.slot_wait_ms(full) == 0.0

@@ -128,3 +128,37 @@ async def test_one_slow_health_check_does_not_eject_a_worker() -> None:
     finally:
         await client.aclose()
         await h.stop()
+
+
+async def test_pool_learns_the_engines_running_cap_and_who_else_runs_there(model_dir: Path) -> None:
+    # Two sequences at once, slow steps: four requests sent straight to the engine (not through this pool)
+    # leave two waiting, which its counters show after the next step.
+    sim = SimWorker(SimSettings(model_dir=str(model_dir), max_num_seqs=2, profile="cpu-tiny", speed=0.05))
+    h = await start_server(sim.build_app())
+    client = httpx.AsyncClient(timeout=60)
+    body = {"model": "kvgate-tiny", "prompt": "hello", "max_tokens": 50}
+    cfg = WorkerConfig(url=h.url, model="kvgate-tiny", engine="sim")
+    pool = WorkerPool([cfg], client, MonotonicClock())
+    await pool.check_all()
+    w = pool.get(WorkerId(cfg.id))
+    assert w.cap is None and w.free_slots() is None  # never seen saturated: unknown, nothing held back
+    sends = [asyncio.create_task(client.post(f"{h.url}/v1/completions", json=body)) for _ in range(4)]
+    try:
+        for _ in range(500):
+            if sim.core.step_stats() == (2, 2):
+                break
+            await asyncio.sleep(0.01)
+        assert sim.core.step_stats() == (2, 2)
+        await pool.check_all()
+        assert w.cap == 2 and w.foreign == 4 and w.free_slots() == 0
+        v = w.view()
+        assert (v.max_running, v.foreign_requests) == (2, 4)
+        configured = WorkerPool([cfg], client, MonotonicClock(), worker_slots=8)
+        await configured.check_all()
+        assert configured.get(WorkerId(cfg.id)).cap == 8  # a configured cap wins over the learned one
+    finally:
+        for t in sends:
+            t.cancel()
+        await asyncio.gather(*sends, return_exceptions=True)
+        await client.aclose()
+        await h.stop()

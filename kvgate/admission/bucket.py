@@ -47,5 +47,6 @@ def wait_s(b: Bucket, rate: Rate, cost: float) -> float:
 
 def debit(b: Bucket, rate: Rate, amount: float) -> Bucket:
     """``b`` less ``amount``, into debt if need be but never more than a minute's worth (a tenant that
-    overspent once waits at most a minute longer, not forever)."""
-    return Bucket(max(-rate.capacity, b.level - amount), b.at)
+    overspent once waits at most a minute longer, not forever); a negative amount gives tokens back, up to
+    the capacity."""
+    return Bucket(min(rate.capacity, max(-rate.capacity, b.level - amount)), b.at)

@@ -73,7 +73,7 @@ local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local f, fa, per_min, amount = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local v = redis.call('HMGET', KEYS[1], f, fa)
 """ + _REFILL + """
-local l = math.max(-per_min, refill(v[1], v[2], per_min) - amount)
+local l = math.min(per_min, math.max(-per_min, refill(v[1], v[2], per_min) - amount))
 redis.call('HSET', KEYS[1], f, tostring(l), fa, tostring(now))
 redis.call('EXPIRE', KEYS[1], 180)
 return tostring(l)

@@ -41,9 +41,16 @@ class AdmissionSettings(BaseModel):
     """Where the rate buckets and concurrency leases live; auto: Redis when ``session_store`` is redis
     (shared by every replica), else this process's memory."""
     worker_slots: int | None = Field(None, ge=1)
-    """Requests one worker runs at once (vLLM's ``--max-num-seqs``, which vLLM does not publish, so it is
-    configured here). Set: a model's requests beyond slots × healthy workers wait in this replica's fair
-    queue. None: no queue."""
+    """Requests one worker runs at once (vLLM's ``--max-num-seqs``). None: learned from each engine's own
+    counters (``admission/capacity.py``): until an engine has been seen with requests waiting, its cap is
+    unknown and nothing waits for it. A model's requests beyond its workers' caps (less what other replicas
+    run there) wait in this replica's fair queue."""
+    fair_share: bool = True
+    """While other tenants are active, a tenant holds at most its weighted share of a model's slots
+    (``admission/slots.py``); off: any free slot goes to whoever is next in fair order."""
+    share_window_s: float = Field(10.0, ge=0, le=3600)
+    """A tenant counts as active for this long after its last request arrived (an agent between two turns
+    keeps its share)."""
     queue_size: int = Field(256, ge=0)
     """Requests waiting for a slot on this replica, all tenants together; more get 503."""
     max_queue_wait_s: float = Field(10.0, gt=0)

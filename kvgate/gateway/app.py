@@ -20,6 +20,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from kvgate.admission.capacity import model_capacity
 from kvgate.admission.gate import Admission
 from kvgate.admission.metrics import AdmissionCollector
 from kvgate.admission.redis_store import RedisQuotaStore
@@ -93,10 +94,10 @@ def make_admission(settings: GatewaySettings, pool: WorkerPool) -> Admission | N
     shared = a.store == "redis" or (a.store == "auto" and settings.session_store == "redis")
     store: QuotaStore = RedisQuotaStore(settings.redis_url, settings.redis_prefix, cluster=settings.redis_cluster) \
         if shared else MemoryQuotaStore()
-    slots = a.worker_slots or 0
 
-    def capacity(model: str) -> int:
-        return slots * sum(1 for w in pool.all() if w.config.model == model and w.healthy)
+    def capacity(model: str) -> int | None:
+        caps = [w.free_slots() for w in pool.all() if w.config.model == model and w.healthy]
+        return model_capacity(caps) if caps else None  # no healthy worker: the sender answers that at once
 
     return Admission(a, store, capacity, settings.retry_after_s)
 
@@ -117,7 +118,8 @@ class Gateway:
         self.client = make_client(timeout)
         self.auth = Authenticator(settings.auth, self.client)
         self.pool = WorkerPool(settings.workers, self.client, self.clock, settings.health_interval_s,
-                               settings.health_timeout_s, settings.hash_seed, settings.eject_after_failures)
+                               settings.health_timeout_s, settings.hash_seed, settings.eject_after_failures,
+                               settings.admission.worker_slots)
         self.policy: Policy = make_policy(settings.policy, PolicyParams(settings.affinity_epsilon, settings.cost))
         # The cost model prices background prefills and tier loads whatever the routing policy; when it
         # routes too, it is the same object, so PATCH /admin/policy changes both at once.

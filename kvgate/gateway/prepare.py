@@ -10,22 +10,24 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from fastapi import Request
 
 from kvgate import safejson
 from kvgate.admission.gate import Admission, Ticket
+from kvgate.admission.settings import Priority
 from kvgate.config import GatewaySettings
 from kvgate.errors import BadRequest, Conflict, NotFound, PayloadTooLarge
 from kvgate.gateway import identity
 from kvgate.gateway.auth import Principal, tenant_salt
 from kvgate.gateway.exchange import Endpoint, Prepared, Turn
-from kvgate.gateway.inputlimits import PromptLimits
+from kvgate.gateway.inputlimits import PromptLimits, text_chars
 from kvgate.gateway.prompts import Held, Prompt, PromptBuilder
 from kvgate.gateway.requests import KVGATE_FIELDS, validate_chat, validate_completion
 from kvgate.gateway.runtime import SessionRuntime
+from kvgate.gateway.send import until_disconnect
 from kvgate.gateway.telemetry import GatewayMetrics
 from kvgate.gateway.tracing import OFF, RequestTrace
 from kvgate.gateway.turns import TurnService
@@ -74,6 +76,17 @@ async def parse_object(data: bytes, limits: JsonLimits = DEFAULT_LIMITS, what: s
     return body
 
 
+ESTIMATE_CHARS_PER_TOKEN = 4
+"""The prompt's tokens as admission first counts them, from its text alone (OpenAI's rule of thumb for
+English); the count is settled once the prompt is tokenized."""
+
+Guard = Callable[[Awaitable[Ticket]], Awaitable[Ticket]]
+
+
+def estimate_tokens(endpoint: Endpoint, body: Mapping[str, Any]) -> int:
+    return text_chars(endpoint, body) // ESTIMATE_CHARS_PER_TOKEN
+
+
 VALIDATE_INLINE_MESSAGES = 512
 """Requests with more messages are validated in a thread."""
 
@@ -100,17 +113,19 @@ class Preparer:
                       principal: Principal | None = None) -> Prepared:
         body = await read_json(request, self.settings.max_body_bytes, self.settings.hostile.json_limits)
         return await self.prepare_body(body, request.headers, endpoint, trace=trace, principal=principal,
-                                       admit=self.admission is not None)
+                                       admit=self.admission is not None,
+                                       guard=lambda aw: until_disconnect(request, aw))
 
     async def prepare_body(self, body: dict[str, Any], headers: Mapping[str, str], endpoint: Endpoint, *,
                            act: bool = True, trace: RequestTrace = OFF, principal: Principal | None = None,
-                           admit: bool = False) -> Prepared:
+                           admit: bool = False, guard: Guard | None = None) -> Prepared:
         """A parsed request body and its headers, prepared (the HTTP front, the endpoint picker and the
         control API's "where would this go" share it). ``act``: run the session controller's arrival
         commands (False for a question that sends nothing). ``principal``: the authenticated caller; with
         auth on, its tenant replaces the tenant header and its salt goes into the body. ``admit``: hold the
         request to its tenant's quota and a fleet slot (the HTTP front with admission on); the ticket in
-        the result must be released when the request ends."""
+        the result must be released when the request ends. ``guard``: wraps the wait for a slot (the HTTP
+        front gives up on it when the client disconnects)."""
         gate = self.admission if admit else None
         priority = gate.priority(headers) if gate is not None else None  # a bad header: 400 at once
         msgs = body.get("messages")
@@ -128,6 +143,25 @@ class Preparer:
         if salt is not None:
             # Overrides whatever the client sent: a client-chosen salt could name another tenant's.
             body = {**body, "cache_salt": salt}
+        ticket: Ticket | None = None
+        if gate is not None and priority is not None:
+            trace.mark("admission")
+            # Before anything costs more than counting characters (a refused request is cheap, and a waiting
+            # one holds no rendered prompt) and before the session controller hears of it (a refused one
+            # leaves no trace in any state). Its prompt tokens are estimated here and settled once counted.
+            admitted = gate.admit(ident.tenant, model, priority, estimate_tokens(endpoint, body))
+            ticket = await (guard(admitted) if guard is not None else admitted)
+        try:
+            return await self._prepared(body, headers, endpoint, act, trace, principal, model, ident, salt, ticket,
+                                        priority)
+        except BaseException:
+            if ticket is not None:
+                ticket.release()
+            raise
+
+    async def _prepared(self, body: dict[str, Any], headers: Mapping[str, str], endpoint: Endpoint, act: bool,
+                        trace: RequestTrace, principal: Principal | None, model: str, ident: identity.Identity,
+                        salt: str | None, ticket: Ticket | None, priority: Priority | None) -> Prepared:
         conv, ident, body = await self._conversation(ident, body, endpoint)
         turn = None
         if endpoint == "chat":
@@ -141,19 +175,11 @@ class Preparer:
             # Exact when complete; a prefix (tokenizing stopped early) is still a lower bound.
             self.limits.check_tokens(model, prompt.length if prompt.complete else len(prompt.tokens or ()))
         self.metrics.count_routed_prompt_tokens(model, prompt.source, prompt.length)
-        ticket: Ticket | None = None
-        if gate is not None and priority is not None:
-            trace.mark("admission")
-            # Before the session controller hears of the request: a refused one leaves no trace in any state.
-            ticket = await gate.admit(ident.tenant, model, priority, prompt.length)
+        if ticket is not None and priority is not None:
+            ticket.prompt(prompt.length)
             body = self._worker_priority(body, model, priority)
-        try:
-            return self._finish(body, headers, endpoint, act, trace, principal, model, ident, conv, turn, prompt,
-                                salt, ticket)
-        except BaseException:
-            if ticket is not None:
-                ticket.release()
-            raise
+        return self._finish(body, headers, endpoint, act, trace, principal, model, ident, conv, turn, prompt,
+                            salt, ticket)
 
     def _finish(self, body: dict[str, Any], headers: Mapping[str, str], endpoint: Endpoint, act: bool,
                 trace: RequestTrace, principal: Principal | None, model: str, ident: identity.Identity,

@@ -40,6 +40,8 @@ class Relay:
         }
         if p.show_cache:
             out["x-kvgate-expected-cached-tokens"] = str(d.expected_cached_tokens)
+        if p.ticket is not None:
+            out.update(p.ticket.headers())
         turn = p.turn
         if turn is not None:
             c = turn.canonical
@@ -66,6 +68,7 @@ class Relay:
             ex.engine_ids = EngineIds.take(obj)
             content = json.dumps(obj).encode()
         ex.prepared.trace.answered(ex)
+        _charge_completion(ex)
         await self.recorder.record(ex)
         self.requests.write(ex, "done")
         return content
@@ -99,9 +102,11 @@ class Relay:
             yield error_event(f"worker {w} failed mid-stream: {exc.kind}")
         finally:
             await upstream.close()
-            self.pool.release(w, ex.prefill_tokens, ex.prepared.prompt.length, ex.ttft_s is not None)
+            self.pool.release(w, ex.prefill_tokens, ex.prepared.prompt.length, ex.ttft_s is not None,
+                              self.clock.now() - ex.started if outcome == "done" else None)
             ex.prepared.trace.streamed(ex, outcome)
             if outcome == "done":
+                _charge_completion(ex)
                 await self.recorder.record(ex)
             elif outcome == "cancelled":
                 self.metrics.client_disconnects.inc()
@@ -180,3 +185,10 @@ def _loads(content: bytes) -> dict[str, Any] | None:
     except (ValueError, RecursionError):
         return None
     return obj if isinstance(obj, dict) else None
+
+
+def _charge_completion(ex: Exchange) -> None:
+    """The tenant's tokens per minute count the completion too, now that the usage says how long it was."""
+    t = ex.prepared.ticket
+    if t is not None and ex.usage is not None:
+        t.completed(ex.usage.completion_tokens)

@@ -115,7 +115,7 @@ class Sender:
             # The worker is done with it: release first, so what the turn's end decides (a background
             # prefill) sees the queue without this request.
             handed_off = True
-            self.pool.release(w, ex.prefill_tokens)
+            self.pool.release(w, ex.prefill_tokens, held_s=self.clock.now() - ex.started)
             content = await self.relay.unary(ex, content)
             return Response(content, status_code=upstream.status,
                             media_type=upstream.header("content-type") or "application/json",

@@ -18,6 +18,7 @@ import httpx
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvgate.admission.capacity import SlotEstimate, foreign, free_slots, learn_slots
 from kvgate.clock import Clock
 from kvgate.config import WorkerConfig
 from kvgate.gateway.enginemetrics import EngineMetrics, parse_metrics
@@ -30,6 +31,8 @@ log = logging.getLogger(__name__)
 # Request failures that prove nothing listens at the worker: ejected at once, no hysteresis.
 _HARD_FAILURES = frozenset({"ConnectError"})
 _DEPARTED_KEPT = 1024
+SERVICE_EWMA = 0.1
+"""Weight of the newest request in a worker's average holding time (about the last ten requests)."""
 
 
 @dataclass(slots=True)
@@ -59,6 +62,14 @@ class WorkerState:
     learned_block_size: int | None = None
     learned_hash_algo: str | None = None
     """The hashing setup the worker publishes (None until seen); it wins over the configured one."""
+    slots: SlotEstimate = field(default_factory=SlotEstimate)
+    """Requests its engine runs at once, as learned from its counters (``admission/capacity.py``)."""
+    configured_slots: int | None = None
+    """``admission.worker_slots``: wins over the learned cap."""
+    foreign: int = 0
+    """Requests on it at the last poll that were not this replica's (other replicas', other clients')."""
+    service_s: float | None = None
+    """Moving average of how long its requests hold it (sent to last byte)."""
 
     def hash_spec(self, default_seed: str | None) -> HashSpec:
         c = self.config
@@ -71,6 +82,15 @@ class WorkerState:
         return WorkerId(self.config.id)
 
     @property
+    def cap(self) -> int | None:
+        """Requests its engine runs at once: configured, else learned, else unknown."""
+        return self.configured_slots or self.slots.cap
+
+    def free_slots(self) -> int | None:
+        """What this replica may run on it at once (None: no cap known)."""
+        return free_slots(self.cap, self.foreign)
+
+    @property
     def healthy(self) -> bool:
         """Eligible for new requests."""
         return self.health.eligible and not self.joining and not self.draining
@@ -79,7 +99,8 @@ class WorkerState:
         return WorkerView(self.id, self.config.model, self.healthy, self.in_flight, self.running,
                           self.waiting, self.kv_usage, self.pending_prefill, self.pending_requests,
                           self.decode_requests, self.decode_tokens, self.reserved,
-                          self.config.kv_capacity_tokens or self.kv_capacity, self.config.node)
+                          self.config.kv_capacity_tokens or self.kv_capacity, self.config.node,
+                          self.cap or 0, self.foreign, 1000 * self.service_s if self.service_s else 0.0)
 
 
 class PoolCollector(Collector):
@@ -106,8 +127,9 @@ class PoolCollector(Collector):
 class WorkerPool:
     def __init__(self, workers: list[WorkerConfig], client: httpx.AsyncClient, clock: Clock,
                  interval_s: float = 5.0, timeout_s: float = 2.0, hash_seed: str | None = None,
-                 fall: int = 3) -> None:
+                 fall: int = 3, worker_slots: int | None = None) -> None:
         self._fall = fall
+        self._slots = worker_slots
         self._workers = {WorkerId(w.id): self._state(w) for w in workers}
         self._seed = hash_seed
         self.mismatches: dict[tuple[WorkerId, str], int] = {}
@@ -124,7 +146,7 @@ class WorkerPool:
         self._task: asyncio.Task[None] | None = None
 
     def _state(self, config: WorkerConfig) -> WorkerState:
-        return WorkerState(config, HealthTracker(self._fall))
+        return WorkerState(config, HealthTracker(self._fall), configured_slots=self._slots)
 
     def on_restart(self, listener: Callable[[WorkerId], None]) -> None:
         """Call ``listener(worker)`` when a worker restarted or came back after being out, before it is
@@ -188,9 +210,13 @@ class WorkerPool:
         w.decode_tokens += context_tokens
 
     def release(self, wid: WorkerId, prefill_tokens: int = 0, context_tokens: int = 0,
-                got_first_token: bool = False) -> None:
+                got_first_token: bool = False, held_s: float | None = None) -> None:
+        """``held_s``: how long the request held the worker, for a completed one (its average prices the
+        wait for a slot on a full worker)."""
         w = self.get(wid)
         w.in_flight = max(0, w.in_flight - 1)
+        if held_s is not None and held_s >= 0:
+            w.service_s = held_s if w.service_s is None else w.service_s + SERVICE_EWMA * (held_s - w.service_s)
         if got_first_token:
             w.decode_requests = max(0, w.decode_requests - 1)
             w.decode_tokens = max(0, w.decode_tokens - context_tokens)
@@ -312,6 +338,8 @@ class WorkerPool:
             return None  # load is advisory; health decides eligibility
         if m.running is not None:
             w.running, w.waiting, w.kv_usage = m.running, m.waiting or 0, m.kv_usage or 0.0
+            w.slots = learn_slots(w.slots, w.running, w.waiting, self._clock.now())
+            w.foreign = foreign(w.running, w.waiting, w.in_flight)
         if m.num_gpu_blocks and m.kv_block_size:
             w.kv_capacity = m.num_gpu_blocks * m.kv_block_size
         self._learn(w, m)

@@ -27,6 +27,13 @@ or in the shared remote tier (L2, Redis). The engine loads those tokens instead 
 ``bytes_per_token / bandwidth`` (plus one round trip for the remote tier), so a worker with a CPU-tier
 copy can beat a cold one by the whole prefill, and any worker can reuse what Redis holds.
 
+A worker whose engine already runs as many requests as it can at once (``max_running``: configured or
+learned from its counters) queues a newcomer until one finishes: with ``n`` requests there (this
+replica's and the others'), the ``n - max_running + 1``-th completion of ``max_running`` running ones
+comes after about ``(n - max_running + 1) / (max_running + 1)`` of a request's holding time, and that
+wait is added (``slot_wait_weight``). A conversation whose prefix is cached on a full home worker still
+goes there when recomputing it elsewhere costs more than the wait.
+
 A worker that hosts sessions parked on short tool waits (``reserved_tokens``) loses their KV when a
 newcomer needs more room than is free; the router charges the newcomer what those sessions would pay
 to get it back (``reservation_weight`` per token at recompute speed), so new work goes elsewhere first.
@@ -79,6 +86,8 @@ class CostParams(BaseModel):
     remote_rtt_ms: float = Field(1.0, ge=0, description="one round trip to the remote tier")
     reservation_weight: float = Field(1.0, ge=0, description="price of evicting a parked session's KV, as a "
                                       "fraction of recomputing it")
+    slot_wait_weight: float = Field(1.0, ge=0, description="weight of the wait for a running slot on a worker "
+                                    "whose engine runs all it can at once")
 
     @model_validator(mode="after")
     def _decode_not_negative(self) -> CostParams:
@@ -150,6 +159,15 @@ class CostModel:
         mine = max(1, request.prompt_tokens - self.reuse(request, w).total)
         return p.backlog_weight * waiting_per_worker * (p.p1_ms * mine + p.p2_ms * mine * mine)
 
+    def slot_wait_ms(self, w: WorkerView) -> float:
+        """How long a newcomer waits in the engine's queue for a running slot to free."""
+        if w.max_running <= 0 or w.service_ms <= 0:
+            return 0.0
+        ahead = w.in_flight + w.foreign_requests - w.max_running + 1
+        if ahead <= 0:
+            return 0.0
+        return self.params.slot_wait_weight * ahead * w.service_ms / (w.max_running + 1)
+
     def reservation_ms(self, request: RouteRequest, w: WorkerView) -> float:
         """What the sessions parked on ``w`` would pay to recompute the KV this request evicts."""
         if w.reserved_tokens <= 0 or w.kv_capacity_tokens <= 0:
@@ -207,7 +225,8 @@ class CostModel:
         eligible = [w for w in workers if w.in_flight < cap] or workers
         waiting = sum(w.pending_requests for w in workers) / len(workers)
         scores = {w.id: self.ttft_ms(request, w) + self.params.externality_weight * self.delay_to_others_ms(request, w)
-                  + self.reservation_ms(request, w) + self.backlog_ms(request, w, waiting) for w in eligible}
+                  + self.reservation_ms(request, w) + self.backlog_ms(request, w, waiting) + self.slot_wait_ms(w)
+                  for w in eligible}
         home = request.home_worker
 
         def key(w: WorkerView) -> tuple[float, str]:

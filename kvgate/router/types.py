@@ -40,6 +40,14 @@ class WorkerView:
     """The worker's GPU KV capacity in tokens (0 when unknown: reservations are then not priced)."""
     node: str = ""
     """Workers on one node share its CPU tier (LMCache L1); "" means a node of its own."""
+    max_running: int = 0
+    """Requests its engine runs at once (configured or learned from its counters; 0 when unknown): a
+    request beyond them waits in the engine's queue for one to finish."""
+    foreign_requests: int = 0
+    """Requests on it that are not this replica's (other gateway replicas', other clients'), at the last
+    poll: they hold its running slots too."""
+    service_ms: float = 0.0
+    """How long a request holds it, on average (0 when unknown)."""
 
     @property
     def load(self) -> int:

@@ -140,6 +140,7 @@ class EngineCore:
         self.waiting_bg: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.stats = EngineStats()
+        self._stats = (0, 0)
         self._by_id: dict[str, SimRequest] = {}
 
     # -- requests ------------------------------------------------------------------------------
@@ -168,6 +169,12 @@ class EngineCore:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    def step_stats(self) -> tuple[int, int]:
+        """(running, waiting) as vLLM publishes them: counted when the last step was scheduled, so a waiting
+        request is one that step could not fit (a request that arrived since is not counted yet); (0, 0)
+        once there is nothing to run."""
+        return self._stats if self.has_work() else (0, 0)
 
     @property
     def num_waiting(self) -> int:
@@ -309,6 +316,7 @@ class EngineCore:
             self.running.append(req)
             out.append(Scheduled(req, num_new, done))
             budget -= num_new
+        self._stats = (len(self.running), len(self.waiting) + len(self.waiting_bg))
         chunks = []
         dec_batch = 0
         dec_ctx = 0

@@ -37,8 +37,9 @@ class EngineCollector(Collector):
             # simulators in one process (the tests) must each show their own restart, as vLLM processes do.
             yield GaugeMetricFamily("process_start_time_seconds", "Start time of the process since unix epoch "
                                     "in seconds.", value=self._started_at())
-        yield self._g("vllm:num_requests_running", "Requests in model execution batches.", core.num_running)
-        yield self._g("vllm:num_requests_waiting", "Requests waiting to be processed.", core.num_waiting)
+        running, waiting = core.step_stats()
+        yield self._g("vllm:num_requests_running", "Requests in model execution batches.", running)
+        yield self._g("vllm:num_requests_waiting", "Requests waiting to be processed.", waiting)
         yield self._g("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                       core.pool.usage())
         yield self._c("vllm:prefix_cache_queries", "Prefix cache queries, in terms of tokens.",
@@ -100,8 +101,9 @@ class SglangCollector(Collector):
         if self._started_at is not None:  # as EngineCollector: one start time per simulated engine
             yield GaugeMetricFamily("process_start_time_seconds", "Start time of the process since unix epoch "
                                     "in seconds.", value=self._started_at())
-        yield self._g("sglang:num_running_reqs", "The number of running requests.", core.num_running)
-        yield self._g("sglang:num_queue_reqs", "The number of requests in the waiting queue.", core.num_waiting)
+        running, waiting = core.step_stats()
+        yield self._g("sglang:num_running_reqs", "The number of running requests.", running)
+        yield self._g("sglang:num_queue_reqs", "The number of requests in the waiting queue.", waiting)
         yield self._g("sglang:token_usage", "The token usage.", round(core.pool.usage(), 2))
         yield self._g("sglang:cache_hit_rate", "The prefix cache hit rate.", hit)
         yield self._g("sglang:page_size", "The page size.", core.block_size)
