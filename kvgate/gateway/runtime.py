@@ -137,10 +137,11 @@ class SessionRuntime:
         elif isinstance(cmd, CancelTimers):
             await self.fleet.cancel(cid, cmd.kinds)
         elif isinstance(cmd, Reserve):
-            await self.fleet.reserve(cmd.worker, cid, cmd.tokens, cmd.until)
-            self.actions.reserve_locally(cmd.worker, cmd.tokens)
+            tenant = conv.tenant if conv is not None else ""
+            if await self.fleet.reserve(cmd.worker, cid, cmd.tokens, cmd.until, tenant=tenant, now=self.wall()):
+                self.actions.reserve_locally(cmd.worker, cmd.tokens)
         elif isinstance(cmd, Unreserve):
-            await self.fleet.unreserve(cmd.worker, cid)
+            await self.fleet.unreserve(cmd.worker, cid, tenant=conv.tenant if conv is not None else "")
             self.actions.reserve_locally(cmd.worker, -cmd.tokens)
         elif isinstance(cmd, CancelPrefill):
             task = self._prefills.pop((cid, cmd.token), None)
