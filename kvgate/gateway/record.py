@@ -63,7 +63,8 @@ class Recorder:
         p = ex.prepared
         if p.arrival_task is not None:
             await p.arrival_task  # the arrival's cancellations go before this turn's new timers
-        parked = await self._parked_budget(ex, now)  # after the arrival released this conversation's own
+        # After the arrival: its release of this conversation's last reservation is counted out.
+        parked = await self._parked_budget(ex, now)
         commands: list[Command] = []
 
         def fn(cur: Conversation | None) -> Conversation:

@@ -101,9 +101,9 @@ class SessionRuntime:
         """How long a claimed timer stays this replica's: a background prefill runs within it."""
         self.counters: dict[tuple[str, str], float] = defaultdict(float)
         self.tracing = tracing or Tracing()
+        """Background prefills and prefetches are traces of their own, linked to the conversation's last turn."""
         self.budgets = budgets
         """None: admission off, no tenant budgets."""
-        """Background prefills and prefetches are traces of their own, linked to the conversation's last turn."""
         self._prefills: dict[tuple[ConversationId, int], asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loop: asyncio.Task[None] | None = None

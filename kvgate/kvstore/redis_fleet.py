@@ -194,8 +194,10 @@ class RedisFleet:
         total = 0
         for v in held.values():
             tokens, _, until = _text(v).partition(":")
-            if float(until) > now:
-                total += int(tokens)
+            try:
+                total += int(tokens) if float(until) > now else 0
+            except ValueError:
+                continue  # not this version's form: the reserve script drops it as it would a lapsed one
         return total
 
     async def reserved(self, now: float) -> dict[WorkerId, int]:

@@ -28,10 +28,10 @@ Events and what they do:
 - **prefix_ready** (the executor rendered the next-turn prefix): the prefill rule
   (``session/prefill.py``) decides, within the tenant's background-prefill budget, and a prefill is
   issued or not.
+- **prefill_done**: the prefill request finished (or failed).
 
 The tenant budgets (``admission/budgets.py``) come in as numbers (what is left now; None: unlimited),
 so the controller stays pure and the benchmarks run it without them.
-- **prefill_done**: the prefill request finished (or failed).
 """
 
 from __future__ import annotations
