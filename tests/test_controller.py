@@ -42,10 +42,10 @@ def of(step: Step, kind: type) -> list:  # type: ignore[type-arg]
 
 
 def tool_turn(c: SessionController, L: Learned, now: float = 0.0, tools: tuple[str, ...] = ("t",),
-              s: SessionState | None = None) -> Step:
+              s: SessionState | None = None, parked_budget: int | None = None) -> Step:
     a = c.arrived(s or SessionState(), tenant="x", now=now, user_turn=True)
     return c.ended(a.state, tenant="x", worker=W, now=now + 1, tools=tools, kv_tokens=4000, cached_tokens=0,
-                   learned=L)
+                   learned=L, parked_budget=parked_budget)
 
 
 def answer_turn(c: SessionController, L: Learned, s: SessionState, now: float, cached: int | None = 0) -> Step:
@@ -60,7 +60,7 @@ def test_a_short_wait_reserves_its_kv_and_lapses_on_its_timer() -> None:
     assert step.state.lifecycle.state is State.AWAITING_TOOL
     [res] = of(step, Reserve)
     [arm] = of(step, ArmTimer)
-    assert res == Reserve(W, 4000, 3.0) and arm.kind == LAPSE and arm.due == 3.0
+    assert res == Reserve(W, 4000, 3.0, arm.token) and arm.kind == LAPSE and arm.due == 3.0
     fired = c.fired(step.state, kind=LAPSE, token=arm.token, home=W)
     assert of(fired, Unreserve) == [Unreserve(W, 4000)] and fired.state.reservation is None
     assert Count("tool_waits", "reservation_lapsed") in fired.commands
@@ -118,7 +118,7 @@ def test_prefill_is_issued_and_a_request_that_comes_first_is_forced_to_its_worke
     assert of(fired, ComputePrefix) == [ComputePrefix(W, token)]
     ready = c.prefix_ready(fired.state, token=token, worker=W, divergence=1000, prefix_tokens=2000, block_size=16,
                            pending_requests=0, kv_usage=0.1, cost=CostParams(p1_ms=0.01), learned=L)
-    assert of(ready, IssuePrefill) == [IssuePrefill(W, token)] and ready.state.prefill is not None
+    assert of(ready, IssuePrefill) == [IssuePrefill(W, token, 1008)] and ready.state.prefill is not None
     arrived = c.arrived(ready.state, tenant="x", now=2, user_turn=True)
     assert arrived.force == W and CancelPrefill(W, token) in arrived.commands
     assert Count("prefills", "skipped") in arrived.commands
@@ -181,7 +181,74 @@ def test_a_prefill_whose_replica_died_runs_again_when_its_timer_is_claimed_again
 
     issued = ready(step.state)  # this replica dies while the prefill runs: nothing more is written
     again = ready(issued.state)  # the lease ends; another replica claims the same timer
-    assert of(again, IssuePrefill) == [IssuePrefill(W, token)] and Count("prefills", "wasted") not in again.commands
+    assert of(again, IssuePrefill) == [IssuePrefill(W, token, 1008)]
+    assert Count("prefills", "wasted") not in again.commands
     done = c.prefill_done(again.state, token=token, ok=True)
     assert done.state.timer(PREFILL) is None and done.state.prefill is not None and not done.state.prefill.running
     assert c.fired(done.state, kind=PREFILL, token=token, home=W) == Step(done.state)  # a late re-claim: stale
+
+
+# -- tenant budgets ----------------------------------------------------------------------------------
+def test_a_short_wait_over_the_parked_budget_is_released_and_prefetched_instead() -> None:
+    c, L = ctl(), learned(tool_priors_s={"t": 1.0}, prefetch_lead_s=0.5)
+    step = tool_turn(c, L, parked_budget=3999)  # the context is 4000 tokens
+    assert not of(step, Reserve) and step.state.reservation is None
+    assert Count("wait_plans", "over_budget") in step.commands and Count("wait_plans", "reserve") not in step.commands
+    [arm] = of(step, ArmTimer)
+    # Planned as a long wait: prefetched prefetch_lead_s before the predicted resume (1 + 1.0 s).
+    assert arm.kind == PREFETCH and arm.due == 1.5
+    plan = step.state.lifecycle.plan
+    assert plan is not None and plan.action == "release" and plan.deadline == 2.0
+    assert of(c.fired(step.state, kind=PREFETCH, token=arm.token, home=W), Prefetch) == [Prefetch(W)]
+
+
+def test_a_short_wait_within_the_parked_budget_is_reserved() -> None:
+    c, L = ctl(), learned(tool_priors_s={"t": 1.0})
+    for budget in (4000, None):
+        step = tool_turn(c, L, parked_budget=budget)
+        [res] = of(step, Reserve)
+        assert res.tokens == 4000 and Count("wait_plans", "reserve") in step.commands
+
+
+def test_a_long_wait_is_released_whatever_the_budget() -> None:
+    c, L = ctl(), learned(tool_priors_s={"t": 30.0})
+    step = tool_turn(c, L, parked_budget=0)
+    assert Count("wait_plans", "release") in step.commands and not of(step, Reserve)
+
+
+def test_a_reservation_the_store_refused_is_dropped_and_the_wait_released() -> None:
+    c, L = ctl(), learned(tool_priors_s={"t": 1.0}, prefetch_lead_s=0.5)
+    step = tool_turn(c, L)
+    [res] = of(step, Reserve)
+    refused = c.reservation_refused(step.state, token=res.token, learned=L)
+    assert refused.state.reservation is None and refused.state.timer(LAPSE) is None
+    assert not of(refused, Unreserve)  # the store holds nothing: the worker's accounting was never charged
+    assert CancelTimers((LAPSE,)) in refused.commands
+    assert Count("tool_waits", "reservation_refused") in refused.commands
+    [arm] = of(refused, ArmTimer)
+    assert arm.kind == PREFETCH and arm.due == 1.5
+    # The next request releases nothing.
+    assert not of(c.arrived(refused.state, tenant="x", now=1.2, user_turn=False), Unreserve)
+    # A refusal that comes after the wait ended (or for another reservation) changes nothing.
+    resumed = c.arrived(step.state, tenant="x", now=1.2, user_turn=False).state
+    assert c.reservation_refused(resumed, token=res.token, learned=L) == Step(resumed)
+
+
+def _prefix_ready(c: SessionController, L: Learned, budget: float | None) -> Step:
+    step = answer_turn(c, L, SessionState(), 0)
+    token = step.state.timer(PREFILL)
+    assert token is not None
+    fired = c.fired(step.state, kind=PREFILL, token=token, home=W)
+    # gain: 2000 - 1000 // 16 * 16 = 1008 tokens
+    return c.prefix_ready(fired.state, token=token, worker=W, divergence=1000, prefix_tokens=2000, block_size=16,
+                          pending_requests=0, kv_usage=0.1, cost=CostParams(), learned=L, prefill_budget=budget)
+
+
+def test_a_prefill_over_the_tenants_prefill_budget_is_not_issued() -> None:
+    c, L = ctl(enabled=True, min_continue=0.5, min_gain_tokens=64), learned()
+    over = _prefix_ready(c, L, 1007.0)
+    assert over.commands == (Count("prefill_decisions", "over_budget"),)
+    assert over.state.timer(PREFILL) is None and over.state.prefill is None
+    within = _prefix_ready(c, L, 1008.0)
+    assert of(within, IssuePrefill) == [IssuePrefill(W, within.state.prefill.token, 1008)]  # type: ignore[union-attr]
+    assert of(_prefix_ready(c, L, None), IssuePrefill)

@@ -1,15 +1,23 @@
-"""The session lifecycle, reservations, background prefill and tier faults through the gateway."""
+"""The session lifecycle, reservations, background prefill, tier faults and the tenants' parked-KV and
+background-prefill budgets through the gateway."""
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import httpx
 
 from kvgate.kvstore.tiers import LMCacheControl
-from tests.conftest import Cluster, free_port
-from tests.test_gateway import eventually, metric
+from kvgate.router.types import ConversationId, WorkerId
+from kvgate.session.controller import Reserve
+from kvgate.session.prefill import gain_tokens
+from kvgate.session.state import LAPSE, PREFETCH
+from tests.conftest import MODEL, Cluster, free_port
+from tests.test_gateway import TOOLS, eventually, metric
 from tests.test_gateway_history import chat, ready
+
+REDIS = "redis://127.0.0.1:6379/0"
 
 
 async def admin(c: Cluster, path: str) -> Any:
@@ -48,14 +56,16 @@ def reply(r: httpx.Response) -> dict[str, Any]:
     return {k: v for k, v in r.json()["choices"][0]["message"].items() if v is not None}
 
 
-async def tool_chain_then_answer(c: Cluster, conv: str) -> tuple[list[dict[str, Any]], httpx.Response, httpx.Response]:
+async def tool_chain_then_answer(c: Cluster, conv: str, tenant: str | None = None
+                                 ) -> tuple[list[dict[str, Any]], httpx.Response, httpx.Response]:
     """A turn whose tool call carries long reasoning and whose answer ends it: the next user turn drops
     that reasoning. Returns the history so far and the two responses."""
+    h = {"x-tenant-id": tenant} if tenant is not None else None
     msgs: list[dict[str, Any]] = [{"role": "system", "content": "agent " * 200}, {"role": "user", "content": "go"}]
-    r1 = await chat(c, conv, msgs, sim={"tool_calls": 1, "reasoning_tokens": 400})
+    r1 = await chat(c, conv, msgs, h, sim={"tool_calls": 1, "reasoning_tokens": 400})
     m = reply(r1)
     msgs += [m, {"role": "tool", "tool_call_id": m["tool_calls"][0]["id"], "content": "result " * 150}]
-    r2 = await chat(c, conv, msgs, sim={"tool_calls": 0, "reasoning_tokens": 100, "answer_tokens": 40})
+    r2 = await chat(c, conv, msgs, h, sim={"tool_calls": 0, "reasoning_tokens": 100, "answer_tokens": 40})
     return [*msgs, reply(r2), {"role": "user", "content": "thanks, and now?"}], r1, r2
 
 
@@ -125,3 +135,116 @@ async def test_a_dead_lmcache_fails_the_prefetch_not_the_request(make_cluster: A
     assert (await chat(c, "pf", msgs, sim={"tool_calls": 0})).status_code == 200
     tiers = await admin(c, "/admin/tiers")
     assert all(not v["up"] and v["errors"] == 1 for v in tiers["lmcache"].values())
+
+
+# -- tenant budgets (docs/admission.md) ---------------------------------------------------------------
+SEARCH = {"tool_calls": [{"name": "search", "arguments": {"q": "x"}}]}
+SHORT_WAITS = {"tool_priors_s": {"search": 1.0}, "reserve_max_s": 5.0}
+
+
+async def tool_call(url: str, tenant: str, conv: str, system: str) -> httpx.Response:
+    body = {"model": MODEL, "tools": TOOLS, "sim": SEARCH,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": "go"}]}
+    async with httpx.AsyncClient(timeout=30) as h:
+        r = await h.post(url + "/v1/chat/completions", json=body,
+                         headers={"x-tenant-id": tenant, "x-conversation-id": conv})
+    assert r.status_code == 200, r.text
+    return r
+
+
+def kv(r: httpx.Response) -> int:
+    u = r.json()["usage"]
+    return int(u["prompt_tokens"] + u["completion_tokens"])
+
+
+async def test_a_tenants_second_parked_wait_over_its_budget_is_released_on_every_replica(make_cluster: Any) -> None:
+    # Two replicas on one Redis: the second learns of the first's reservation only through the fleet store.
+    c = await make_cluster(2, events=True, replicas=2, session_store="redis", redis_url=REDIS,
+                           redis_prefix=f"kvgate-test:{uuid.uuid4().hex[:8]}:", waits=SHORT_WAITS,
+                           admission={"enabled": True, "defaults": {"max_parked_kv_tokens": 1000}})
+    await ready(c)
+    a1 = await tool_call(c.urls[0], "A", "a1", "agent " * 50)
+    a2 = await tool_call(c.urls[1], "A", "a2", "agent " * 200)
+    b1 = await tool_call(c.urls[1], "B", "b1", "agent " * 200)
+    assert kv(a1) + kv(a2) > 1000 >= kv(a2) == kv(b1)  # a2 alone would fit: it is A's first one that fills it
+    plans = {cid: (await admin(c, f"/admin/conversations/{cid}"))["lifecycle"]["plan"][1]
+             for cid in ("A/a1", "A/a2", "B/b1")}
+    assert plans == {"A/a1": "reserve", "A/a2": "release", "B/b1": "reserve"}
+    assert await metric(c, "kvgate_wait_plans_total", action="over_budget") == 0  # replica 0 planned a1 only
+    async with httpx.AsyncClient() as h:
+        text = (await h.get(c.urls[1] + "/metrics")).text
+    assert 'kvgate_wait_plans_total{action="over_budget"} 1.0' in text
+    # Every replica's view of the workers holds a1's and b1's KV, not a2's.
+    fleet = c.gateway.fleet
+    assert await fleet.reserved_by("A", 0.0) == kv(a1) and await fleet.reserved_by("B", 0.0) == kv(b1)
+
+    async def every_replica_sees_both() -> bool:
+        async with httpx.AsyncClient() as h:
+            views = [(await h.get(u + "/admin/workers")).json()["workers"] for u in c.urls]
+        return all(sum(w["reserved_tokens"] for w in v) == kv(a1) + kv(b1) for v in views)
+
+    await eventually(every_replica_sees_both)
+
+
+async def test_a_reservation_the_fleet_store_refuses_is_dropped_from_the_record(make_cluster: Any) -> None:
+    """The race two replicas can run: the controller planned within the budget, and another replica
+    reserved for the tenant before this one wrote. Replayed here: the planned Reserve meets a store in
+    which the tenant's budget is taken."""
+    c = await make_cluster(1, events=True, waits=SHORT_WAITS,
+                           admission={"enabled": True, "defaults": {"max_parked_kv_tokens": 1000}})
+    await ready(c)
+    gw, cid = c.gateway, ConversationId("A/a1")
+    r = await tool_call(c.url, "A", "a1", "agent " * 50)
+    conv = await gw.store.get(cid)
+    assert conv is not None and conv.session.reservation is not None
+    res, home = conv.session.reservation, WorkerId(r.headers["x-kvgate-worker"])
+    # The tick would resync this replica's worker view from the store; stopped, the view shows only what
+    # the commands do.
+    await gw.runtime.aclose()
+    await gw.fleet.unreserve(home, cid, tenant="A")
+    gw.runtime.actions.reserve_locally(home, -res.tokens)
+    assert gw.pool.get(home).reserved == 0
+    assert await gw.fleet.reserve(home, ConversationId("A/other"), 1000, until=res.until, tenant="A",
+                                  now=0.0, budget=1000)
+    await gw.runtime.execute(cid, conv, [Reserve(home, res.tokens, res.until, res.token)])
+    after = await gw.store.get(cid)
+    assert after is not None and after.session.reservation is None
+    assert after.session.timer(LAPSE) is None and after.session.timer(PREFETCH) is not None
+    assert after.session.lifecycle.plan is not None and after.session.lifecycle.plan.action == "release"
+    assert await gw.fleet.reserved_by("A", 0.0) == 1000  # the other conversation's, untouched
+    assert gw.pool.get(home).reserved == 0  # neither counted by the refused Reserve nor taken off again
+    assert await metric(c, "kvgate_tool_waits_total", outcome="reservation_refused") == 1
+
+
+async def test_a_tenants_prefill_budget_bounds_its_background_prefills(make_cluster: Any) -> None:
+    c = await make_cluster(1, events=True, prefill={"enabled": True, "min_gain_tokens": 128, "min_continue": 0.5},
+                           admission={"enabled": True, "tenants": {"lean": {"prefill_tokens_per_minute": 100},
+                                                                   "metered": {"prefill_tokens_per_minute": 300}}})
+    await ready(c)
+    gw = c.gateway
+
+    async def decided(n: int) -> None:
+        async def done() -> bool:
+            c = gw.runtime.counters
+            return sum(v for (name, _), v in c.items() if name == "prefill_decisions") == n
+        await eventually(done, timeout_s=10)
+
+    await tool_chain_then_answer(c, "free-1", tenant="free")  # no budget
+    await decided(1)
+    conv = await gw.store.get(ConversationId("free/free-1"))
+    assert conv is not None and conv.home is not None
+    got = await gw.runtime.actions.next_prefix(conv)
+    assert got is not None
+    gain = gain_tokens(got[0], len(got[1]), gw.runtime.actions.block_size(conv.home))
+    assert 100 < gain <= 300 < 2 * gain, gain  # what the budgets below are set for (each turn here has this gain)
+    await tool_chain_then_answer(c, "lean-1", tenant="lean")  # 100 a minute: never the gain
+    await decided(2)
+    await tool_chain_then_answer(c, "metered-1", tenant="metered")  # the gain fits once...
+    await decided(3)
+    await tool_chain_then_answer(c, "metered-2", tenant="metered")  # ...and is charged: the bucket refills
+    await decided(4)  # 5 tokens a second, so it holds the gain again only ~40 s after the charge
+    assert await metric(c, "kvgate_prefill_decisions_total", reason="issued") == 2
+    assert await metric(c, "kvgate_prefill_decisions_total", reason="over_budget") == 2
+    assert gw.admission is not None
+    assert await gw.admission.store.level("metered", "prefill", 300) < gain
+    assert await gw.admission.store.level("free", "prefill", 300) == 300  # nothing charged without a budget

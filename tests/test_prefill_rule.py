@@ -25,6 +25,15 @@ def test_decision_reasons() -> None:
     assert not decide(PrefillParams(enabled=False), 512, 0.9, pending_requests=0, kv_usage=0).issue
 
 
+def test_the_tenants_budget_is_checked_last_against_the_gain() -> None:
+    p = PrefillParams(min_gain_tokens=128, min_continue=0.6)
+    assert decide(p, 512, 0.9, pending_requests=0, kv_usage=0, budget=511.5).reason == "over_budget"
+    assert decide(p, 512, 0.9, pending_requests=0, kv_usage=0, budget=512).issue
+    assert decide(p, 512, 0.9, pending_requests=0, kv_usage=0, budget=-10).reason == "over_budget"  # in debt
+    # Only prefills the budget alone prevented count as over it.
+    assert decide(p, 512, 0.9, pending_requests=0, kv_usage=0.95, budget=0).reason == "kv_pressure"
+
+
 def test_continuation_is_learned_per_tenant_and_size() -> None:
     c = ContinueStats(PrefillParams(prior_continue=1, prior_stop=1, bucket_weight=2))
     assert c.p("chat", 5000) == 0.5  # nothing seen: the prior

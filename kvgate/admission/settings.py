@@ -25,7 +25,8 @@ class TenantLimits(BaseModel):
     back when a remote tier holds it)."""
     prefill_tokens_per_minute: int | None = Field(None, ge=1)
     """Tokens of background prefill (the next turn's canonical prefix, computed while the user reads) the
-    tenant may have issued per minute; over it a prefill is not issued."""
+    tenant may have issued per minute, each prefill counted by its gain (the prefix beyond what the worker
+    caches: what the engine computes); over it a prefill is not issued."""
     weight: float = Field(1.0, gt=0, le=1000)
     """Share of the fleet's slots while requests queue for them, relative to the other tenants waiting."""
 

@@ -20,6 +20,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from kvgate.admission.budgets import TenantBudgets
 from kvgate.admission.capacity import model_capacity
 from kvgate.admission.gate import Admission
 from kvgate.admission.metrics import AdmissionCollector
@@ -142,11 +143,14 @@ class Gateway:
         self.turns = TurnService(settings.protocols, settings.reasoning_policy, settings.tenant_reasoning_policies,
                                  self.prompts, Limits(max_bytes=settings.max_conversation_bytes))
         self.tiers = TierView(settings, self.client, self.clock.now, wall, m)
+        self.admission = make_admission(settings, self.pool)  # before the runtime: the budgets share its store
+        budgets = None if self.admission is None else \
+            TenantBudgets(self.admission.settings, self.admission.store, self.fleet)
         actions = GatewayActions(settings, self.pool, self.tiers, self.turns, self.client, self.cost)
         self.runtime = SessionRuntime(SessionController(ControllerParams(settings.prefill)),
                                       Learned(settings.waits, settings.prefill), self.store, self.fleet, actions, m,
                                       wall, tick_s=settings.timer_tick_s, lease_s=settings.timer_lease_s,
-                                      tracing=self.tracing)
+                                      tracing=self.tracing, budgets=budgets)
         self.policy_target = GatewayPolicy(self.cost, self.runtime)
         self.recorder = recorder = Recorder(self.runtime, self.turns, self.tiers, m, self.policy.name)
         self.requests = RequestLog(settings.request_log, settings.request_log_max_bytes, settings.request_log_backups,
@@ -157,7 +161,6 @@ class Gateway:
         # The endpoint picker (kvgate/epp) relays and records responses Envoy forwards with the same objects.
         self.relay = Relay(self.pool, self.clock, m, recorder, self.policy.name, self.requests)
         sender = Sender(settings, router, self.upstream, self.clock, m, self.relay)
-        self.admission = make_admission(settings, self.pool)
         if self.admission is not None:
             m.registry.register(AdmissionCollector(self.admission))
         self.proxy = Proxy(Preparer(settings, self.pool, self.turns, self.prompts, self.runtime, m, router.holder,

@@ -63,10 +63,12 @@ class Recorder:
         p = ex.prepared
         if p.arrival_task is not None:
             await p.arrival_task  # the arrival's cancellations go before this turn's new timers
+        # After the arrival: its release of this conversation's last reservation is counted out.
+        parked = await self._parked_budget(ex, now)
         commands: list[Command] = []
 
         def fn(cur: Conversation | None) -> Conversation:
-            new, cmds = self._next(cur, ex, turn, chain, now)
+            new, cmds = self._next(cur, ex, turn, chain, now, parked)
             commands[:] = cmds
             return new
 
@@ -89,15 +91,23 @@ class Recorder:
                 "kv_bytes": self.metrics.kv_bytes_of(ex.prepared.model, context, ex.block_size),
                 "tpot_s": tpot_of(ex.decode, u.completion_tokens) if u is not None else None}
 
-    def _next(self, cur: Conversation | None, ex: Exchange, turn: TurnRecord, chain: Chain | None, now: float
-              ) -> tuple[Conversation, tuple[Command, ...]]:
+    async def _parked_budget(self, ex: Exchange, now: float) -> int | None:
+        """What the tenant may still park, read before the compare-and-set (its function is synchronous);
+        only for a reply with tool calls of a tenant with a budget, so other requests pay no round trip."""
+        budgets, tenant = self.runtime.budgets, ex.prepared.ident.tenant
+        if budgets is None or budgets.parked_limit(tenant) is None or not ex.reply.tool_names():
+            return None
+        return await budgets.parked_left(tenant, now)
+
+    def _next(self, cur: Conversation | None, ex: Exchange, turn: TurnRecord, chain: Chain | None, now: float,
+              parked: int | None) -> tuple[Conversation, tuple[Command, ...]]:
         p, u, rt = ex.prepared, ex.usage, self.runtime
         base = cur or Conversation(p.ident.conversation_id, p.ident.tenant, p.ident.source, created=now)
         arrived = rt.controller.arrived(base.session, tenant=p.ident.tenant, now=p.arrived_at, user_turn=p.user_turn)
         ended = rt.controller.ended(
             arrived.state, tenant=p.ident.tenant, worker=ex.decision.worker, now=now, tools=ex.reply.tool_names(),
             kv_tokens=(u.prompt_tokens + u.completion_tokens) if u else p.prompt.length,
-            cached_tokens=u.cached_tokens if u else None, learned=rt.learned)
+            cached_tokens=u.cached_tokens if u else None, learned=rt.learned, parked_budget=parked)
         conv = replace(base, session=ended.state,
                        residency=self.tiers.stored(base.residency, ex.node, p.prompt.length)
                        ).with_turn(turn, self.turns.limits)

@@ -7,6 +7,10 @@
   conversation's record and executes what it returns. A replica that dies mid-timer loses its lease and
   another one runs the timer.
 - Learned statistics: every replica applies the fleet's observations, in the same order, at each tick.
+- Tenant budgets (``admission/budgets.py``, with admission on): a reservation is written only within
+  its tenant's parked-KV budget (a refusal is committed back through the controller, so the record never
+  claims KV the store does not hold); a prefill is decided on the tenant's prefill tokens left and
+  charged to them when issued.
 
 Everything here is advisory: a command that fails is logged and counted, and no request waits on it.
 """
@@ -22,6 +26,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import replace
 from typing import Any, Protocol
 
+from kvgate.admission.budgets import TenantBudgets
 from kvgate.gateway import tracing
 from kvgate.gateway.telemetry import GatewayMetrics
 from kvgate.gateway.tracing import Tracing
@@ -82,7 +87,8 @@ class Actions(Protocol):
 class SessionRuntime:
     def __init__(self, controller: SessionController, learned: Learned, store: ConversationStore,
                  fleet: FleetStore, actions: Actions, metrics: GatewayMetrics, wall: Callable[[], float], *,
-                 tick_s: float = 0.1, lease_s: float = 60.0, tracing: Tracing | None = None) -> None:
+                 tick_s: float = 0.1, lease_s: float = 60.0, tracing: Tracing | None = None,
+                 budgets: TenantBudgets | None = None) -> None:
         self.controller = controller
         self.learned = learned
         self.store = store
@@ -96,6 +102,8 @@ class SessionRuntime:
         self.counters: dict[tuple[str, str], float] = defaultdict(float)
         self.tracing = tracing or Tracing()
         """Background prefills and prefetches are traces of their own, linked to the conversation's last turn."""
+        self.budgets = budgets
+        """None: admission off, no tenant budgets."""
         self._prefills: dict[tuple[ConversationId, int], asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loop: asyncio.Task[None] | None = None
@@ -137,10 +145,9 @@ class SessionRuntime:
         elif isinstance(cmd, CancelTimers):
             await self.fleet.cancel(cid, cmd.kinds)
         elif isinstance(cmd, Reserve):
-            await self.fleet.reserve(cmd.worker, cid, cmd.tokens, cmd.until)
-            self.actions.reserve_locally(cmd.worker, cmd.tokens)
+            await self._reserve(cid, conv, cmd)
         elif isinstance(cmd, Unreserve):
-            await self.fleet.unreserve(cmd.worker, cid)
+            await self.fleet.unreserve(cmd.worker, cid, tenant=conv.tenant if conv is not None else "")
             self.actions.reserve_locally(cmd.worker, -cmd.tokens)
         elif isinstance(cmd, CancelPrefill):
             task = self._prefills.pop((cid, cmd.token), None)
@@ -150,6 +157,20 @@ class SessionRuntime:
             await self._prefetch(cid, conv, cmd)
         elif isinstance(cmd, ComputePrefix) and conv is not None:
             await self._compute_prefix(cid, conv, cmd)
+
+    async def _reserve(self, cid: ConversationId, conv: Conversation | None, cmd: Reserve) -> None:
+        tenant = conv.tenant if conv is not None else ""
+        budget = self.budgets.parked_limit(tenant) if self.budgets is not None else None
+        if await self.fleet.reserve(cmd.worker, cid, cmd.tokens, cmd.until, tenant=tenant, now=self.wall(),
+                                    budget=budget):
+            self.actions.reserve_locally(cmd.worker, cmd.tokens)
+            return
+        # Another replica took the tenant's remaining room since the controller planned: the record drops
+        # the reservation (no Unreserve follows: neither the store nor the worker view holds it).
+        done = await self.commit(cid, lambda s, _c: self.controller.reservation_refused(
+            s, token=cmd.token, learned=self.learned))
+        if done is not None:
+            await self.execute(cid, done[0], done[1].commands)
 
     def _count(self, c: Count) -> None:
         self.counters[(c.name, c.label)] += c.amount
@@ -186,10 +207,11 @@ class SessionRuntime:
             return
         divergence, prefix = got
         pending, kv = self.actions.worker_load(cmd.worker)
+        left = await self.budgets.prefill_left(conv.tenant) if self.budgets is not None else None
         done = await self.commit(cid, lambda s, _c: self.controller.prefix_ready(
             s, token=cmd.token, worker=cmd.worker, divergence=divergence, prefix_tokens=len(prefix),
             block_size=self.actions.block_size(cmd.worker), pending_requests=pending, kv_usage=kv,
-            cost=self.actions.cost(), learned=self.learned))
+            cost=self.actions.cost(), learned=self.learned, prefill_budget=left))
         if done is None:
             return
         conv, step = done
@@ -198,6 +220,8 @@ class SessionRuntime:
         await self.execute(cid, conv, [c for c in step.commands if not isinstance(c, IssuePrefill)])
         for c in step.commands:
             if isinstance(c, IssuePrefill):
+                if self.budgets is not None:
+                    await self.budgets.charge_prefill(conv.tenant, c.gain_tokens)
                 task = self.spawn(self._prefill(cid, conv.model, c, prefix, conv.tenant), f"prefill:{cid}")
                 self._prefills[(cid, c.token)] = task
                 await asyncio.wait({task})  # the timer's lease covers the prefill

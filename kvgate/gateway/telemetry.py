@@ -223,9 +223,12 @@ class GatewayMetrics:
         self.expected_cached = Counter("kvgate_expected_cached_tokens",
                                        "Cached tokens the routing decisions expected.", ["policy"], registry=r)
         self.tool_waits = Counter("kvgate_tool_waits", "Tool waits that ended, by outcome against their "
-                                  "prediction (within, overrun) and reservations that lapsed.", ["outcome"], registry=r)
-        self.wait_plans = Counter("kvgate_wait_plans", "Tool waits by plan: reserve or release.", ["action"],
-                                  registry=r)
+                                  "prediction (within, overrun), and reservations that lapsed or that the fleet "
+                                  "store refused over the tenant's parked-KV budget (reservation_refused).",
+                                  ["outcome"], registry=r)
+        self.wait_plans = Counter("kvgate_wait_plans", "Tool waits by plan: reserve, release, or over_budget (a "
+                                  "short wait released because the tenant's parked-KV budget cannot hold it).",
+                                  ["action"], registry=r)
         self.tier_lookups = Counter("kvgate_tier_lookups", "Tier residency lookups, by tier and whether it "
                                     "answered (down: treated as empty).", ["tier", "state"], registry=r)
         self.prefetches = Counter("kvgate_tier_prefetches", "LMCache prefetches asked for.", ["outcome"], registry=r)

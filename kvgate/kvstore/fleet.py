@@ -9,7 +9,9 @@ reservations. In memory for one replica; in Redis for many (``kvstore/redis_flee
   by every replica in the same order, so every replica's ``Learned`` statistics converge; a replica that
   starts reads the ones still kept, so it starts warm.
 - **Reservations**: the KV tokens parked on each worker for short tool waits, each with its deadline,
-  so a reservation nobody released (its replica died) still ends.
+  so a reservation nobody released (its replica died) still ends, and its tenant, so a tenant's parked
+  KV is known fleet-wide and its budget (``max_parked_kv_tokens``) holds even when replicas reserve at
+  the same moment: ``reserve`` checks and writes in one step.
 """
 
 from __future__ import annotations
@@ -21,6 +23,13 @@ from typing import Protocol
 
 from kvgate.router.types import ConversationId, WorkerId
 from kvgate.session.state import Observation
+
+
+@dataclass(frozen=True, slots=True)
+class _Parked:
+    tokens: int
+    until: float
+    tenant: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,12 +62,21 @@ class FleetStore(Protocol):
         """Observations published (by any replica) since this caller's last read, oldest first."""
         ...
 
-    async def reserve(self, worker: WorkerId, cid: ConversationId, tokens: int, until: float) -> None: ...
+    async def reserve(self, worker: WorkerId, cid: ConversationId, tokens: int, until: float, *, tenant: str,
+                      now: float, budget: int | None = None) -> bool:
+        """Park ``tokens`` of ``cid`` (a conversation of ``tenant``) on ``worker`` until ``until``. With a
+        budget: refused (False, nothing written) when the tenant's reservations live at ``now``, the one it
+        replaces (same worker and conversation) left out, plus ``tokens`` would exceed it."""
+        ...
 
-    async def unreserve(self, worker: WorkerId, cid: ConversationId) -> None: ...
+    async def unreserve(self, worker: WorkerId, cid: ConversationId, *, tenant: str) -> None: ...
 
     async def reserved(self, now: float) -> dict[WorkerId, int]:
         """Tokens reserved per worker, counting reservations whose deadline has not passed."""
+        ...
+
+    async def reserved_by(self, tenant: str, now: float) -> int:
+        """Tokens the tenant's conversations hold reserved, on all workers, whose deadline has not passed."""
         ...
 
     async def close(self) -> None: ...
@@ -71,7 +89,9 @@ class MemoryFleet:
         self._timers: dict[tuple[ConversationId, str], tuple[float, int]] = {}
         self._heap: list[tuple[float, ConversationId, str]] = []
         self._obs: list[Observation] = []
-        self._reserved: dict[WorkerId, dict[ConversationId, tuple[int, float]]] = defaultdict(dict)
+        self._reserved: dict[WorkerId, dict[ConversationId, _Parked]] = defaultdict(dict)
+        self._tenants: dict[str, dict[tuple[WorkerId, ConversationId], _Parked]] = defaultdict(dict)
+        """The same reservations by tenant: a budget check reads only its tenant's."""
 
     async def arm(self, cid: ConversationId, kind: str, due: float, token: int) -> None:
         self._timers[(cid, kind)] = (due, token)
@@ -111,19 +131,42 @@ class MemoryFleet:
         out, self._obs = self._obs, []
         return out
 
-    async def reserve(self, worker: WorkerId, cid: ConversationId, tokens: int, until: float) -> None:
-        self._reserved[worker][cid] = (tokens, until)
+    async def reserve(self, worker: WorkerId, cid: ConversationId, tokens: int, until: float, *, tenant: str,
+                      now: float, budget: int | None = None) -> bool:
+        if budget is not None:
+            held = self._tenants.get(tenant, {})
+            others = sum(p.tokens for k, p in held.items() if p.until > now and k != (worker, cid))
+            if others + tokens > budget:
+                return False
+        self._drop(worker, cid)  # replaced: out of its tenant's index too
+        p = _Parked(tokens, until, tenant)
+        self._reserved[worker][cid] = p
+        self._tenants[tenant][(worker, cid)] = p
+        return True
 
-    async def unreserve(self, worker: WorkerId, cid: ConversationId) -> None:
-        self._reserved[worker].pop(cid, None)
+    async def unreserve(self, worker: WorkerId, cid: ConversationId, *, tenant: str) -> None:
+        self._drop(worker, cid)
+
+    def _drop(self, worker: WorkerId, cid: ConversationId) -> None:
+        p = self._reserved[worker].pop(cid, None)
+        if p is None:
+            return
+        held = self._tenants.get(p.tenant)
+        if held is not None:
+            held.pop((worker, cid), None)
+            if not held:
+                del self._tenants[p.tenant]
 
     async def reserved(self, now: float) -> dict[WorkerId, int]:
         out: dict[WorkerId, int] = {}
         for w, held in self._reserved.items():
-            for cid in [c for c, (_, until) in held.items() if until <= now]:
-                del held[cid]
-            out[w] = sum(n for n, _ in held.values())
+            for cid in [c for c, p in held.items() if p.until <= now]:
+                self._drop(w, cid)
+            out[w] = sum(p.tokens for p in held.values())
         return out
+
+    async def reserved_by(self, tenant: str, now: float) -> int:
+        return sum(p.tokens for p in self._tenants.get(tenant, {}).values() if p.until > now)
 
     async def close(self) -> None:
         return None

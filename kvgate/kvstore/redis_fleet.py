@@ -1,15 +1,23 @@
 """The fleet state of ``kvstore/fleet.py`` in Redis, shared by every gateway replica.
 
-Keys (one hash tag, so a Redis Cluster keeps the timer keys in one slot for their scripts)::
+Keys (one hash tag, so a Redis Cluster keeps them all in one slot for their scripts)::
 
-    {prefix}{fleet}:timers    sorted set: member "<cid>\\x1f<kind>", score = due (wall seconds)
-    {prefix}{fleet}:tokens    hash: member -> token of the armed timer
-    {prefix}{fleet}:obs       stream of observations (msgpack), capped at ``max_observations``
-    {prefix}{fleet}:reserved  hash: "<worker>\\x1f<cid>" -> "<tokens>:<deadline>"
+    {prefix}{fleet}:timers            sorted set: member "<cid>\\x1f<kind>", score = due (wall seconds)
+    {prefix}{fleet}:tokens            hash: member -> token of the armed timer
+    {prefix}{fleet}:obs               stream of observations (msgpack), capped at ``max_observations``
+    {prefix}{fleet}:reserved          hash: "<worker>\\x1f<cid>" -> "<tokens>:<deadline>"
+    {prefix}{fleet}:parked:<tenant>   hash: the same entries, the tenant's only; expires a minute after
+                                      its last deadline
 
 Claiming is one Lua script: the due members are re-scored to ``now + lease`` and returned, so two
 replicas never claim the same firing; a claimer that dies leaves the member due again at the lease's
 end. ``done`` removes the member only if its token is still the one claimed (not re-armed meanwhile).
+Reserving is one too: it sums the tenant's live entries (dropping those past their deadline), refuses
+when the new one would take the tenant over its budget, else writes both hashes, so replicas that
+reserve for one tenant at once cannot both overshoot. The tenant hashes are pruned by deadline (the
+script drops what has passed, ``reserved_by`` skips it) and expire by themselves, so a tenant that stops
+reserving leaves nothing behind. The per-worker hash keeps its form: an older replica in a rolling
+upgrade reads it as before (what it reserves is not counted against its tenant until it is replaced).
 """
 
 from __future__ import annotations
@@ -65,6 +73,32 @@ if redis.call('HGET', KEYS[2], ARGV[1]) == ARGV[2] then
 end
 return 0
 """
+_RESERVE = """
+local member, value = ARGV[1], ARGV[2]
+local tokens, now, budget, last = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local held = redis.call('HGETALL', KEYS[2])
+local total = 0
+for i = 1, #held, 2 do
+  local n, d = string.match(held[i + 1], '^([^:]*):(.*)$')
+  d = tonumber(d)
+  if d == nil or d <= now then
+    redis.call('HDEL', KEYS[2], held[i])
+  elseif held[i] ~= member then
+    total = total + (tonumber(n) or 0)
+    if d > last then last = d end
+  end
+end
+if budget >= 0 and total + tokens > budget then return 0 end
+redis.call('HSET', KEYS[1], member, value)
+redis.call('HSET', KEYS[2], member, value)
+redis.call('EXPIRE', KEYS[2], math.max(60, math.ceil(last - now) + 60))
+return 1
+"""
+_UNRESERVE = """
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+return 1
+"""
 _KINDS: dict[str, Any] = {"wait": WaitObserved, "continuation": ContinuationObserved}
 
 
@@ -84,6 +118,9 @@ class RedisFleet:
         self._claim = self._r.register_script(_CLAIM)
         self._done = self._r.register_script(_DONE)
         self._renew = self._r.register_script(_RENEW)
+        self._reserve = self._r.register_script(_RESERVE)
+        self._unreserve = self._r.register_script(_UNRESERVE)
+        self._tag = tag
         self._max_obs = max_observations
         self.round_trips = 0
         self._last_obs = "0"
@@ -139,11 +176,29 @@ class RedisFleet:
                     continue  # written by a newer replica in a form this one does not know
         return out
 
-    async def reserve(self, worker: WorkerId, cid: ConversationId, tokens: int, until: float) -> None:
-        await self._call(self._r.hset(self._res, f"{worker}{_SEP}{cid}", f"{tokens}:{until!r}"))
+    def _parked(self, tenant: str) -> str:
+        return f"{self._tag}:parked:{tenant}"
 
-    async def unreserve(self, worker: WorkerId, cid: ConversationId) -> None:
-        await self._call(self._r.hdel(self._res, f"{worker}{_SEP}{cid}"))
+    async def reserve(self, worker: WorkerId, cid: ConversationId, tokens: int, until: float, *, tenant: str,
+                      now: float, budget: int | None = None) -> bool:
+        ok = await self._call(self._reserve(keys=[self._res, self._parked(tenant)], args=[
+            f"{worker}{_SEP}{cid}", f"{tokens}:{until!r}", tokens, repr(now), -1 if budget is None else budget,
+            repr(until)]))
+        return bool(int(ok))
+
+    async def unreserve(self, worker: WorkerId, cid: ConversationId, *, tenant: str) -> None:
+        await self._call(self._unreserve(keys=[self._res, self._parked(tenant)], args=[f"{worker}{_SEP}{cid}"]))
+
+    async def reserved_by(self, tenant: str, now: float) -> int:
+        held = await self._call(self._r.hgetall(self._parked(tenant)))
+        total = 0
+        for v in held.values():
+            tokens, _, until = _text(v).partition(":")
+            try:
+                total += int(tokens) if float(until) > now else 0
+            except ValueError:
+                continue  # not this version's form: the reserve script drops it as it would a lapsed one
+        return total
 
     async def reserved(self, now: float) -> dict[WorkerId, int]:
         held = await self._call(self._r.hgetall(self._res))

@@ -17,14 +17,21 @@ Events and what they do:
 - **ended** (the response ended, with tool calls or an answer): a prefill that ran for this request is
   settled (used when the cached tokens reach past its divergence point); on tool calls, the wait is
   predicted and planned — reserve the KV on the home worker (with a lapse timer) or release it and
-  prefetch it from the remote tier shortly before the predicted resume; on an answer, a settle timer
+  prefetch it from the remote tier shortly before the predicted resume; a reservation the tenant's
+  parked-KV budget cannot hold is planned as a release (``over_budget``); on an answer, a settle timer
   and (when enabled) a prefill timer are armed.
+- **reservation_refused**: the fleet store refused a planned reservation (another replica took the
+  tenant's remaining budget first): the conversation drops it and takes the release path after all.
 - **fired** (a timer): ``lapse`` releases a reservation; ``prefetch`` asks for a prefetch;
   ``settle`` counts the conversation as ended (and a prefill nobody used as wasted); ``prefill``
   asks the executor for the next turn's prefix.
 - **prefix_ready** (the executor rendered the next-turn prefix): the prefill rule
-  (``session/prefill.py``) decides, and a prefill is issued or not.
+  (``session/prefill.py``) decides, within the tenant's background-prefill budget, and a prefill is
+  issued or not.
 - **prefill_done**: the prefill request finished (or failed).
+
+The tenant budgets (``admission/budgets.py``) come in as numbers (what is left now; None: unlimited),
+so the controller stays pure and the benchmarks run it without them.
 """
 
 from __future__ import annotations
@@ -58,6 +65,8 @@ class Reserve:
     worker: WorkerId
     tokens: int
     until: float
+    token: int
+    """The reservation's token (``reservation_refused`` names it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +104,8 @@ class ComputePrefix:
 class IssuePrefill:
     worker: WorkerId
     token: int
+    gain_tokens: int
+    """What the prefill computes (the prefix beyond the cached chain): charged to the tenant's budget."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +122,8 @@ class Observe:
 @dataclass(frozen=True, slots=True)
 class Count:
     """A counter for operators and benchmarks: ``prefills{outcome}``, ``prefill_decisions{reason}``,
-    ``prefill_saved_ms``, ``tool_waits{outcome}``, ``wait_plans{action}``."""
+    ``prefill_saved_ms``, ``tool_waits{outcome}``, ``wait_plans{action}`` (``reserve``, ``release``,
+    ``over_budget``)."""
 
     name: str
     label: str = ""
@@ -167,13 +179,15 @@ class SessionController:
 
     # -- its response ended ------------------------------------------------------------------------
     def ended(self, s: SessionState, *, tenant: str, worker: WorkerId, now: float, tools: tuple[str, ...],
-              kv_tokens: int, cached_tokens: int | None, learned: Learned) -> Step:
+              kv_tokens: int, cached_tokens: int | None, learned: Learned, parked_budget: int | None = None) -> Step:
         """``kv_tokens``: the context the worker now holds (prompt + completion); ``cached_tokens``: what
-        the request reused (None when the worker reported no usage)."""
+        the request reused (None when the worker reported no usage); ``parked_budget``: KV tokens the
+        tenant may still park (its budget minus what its conversations hold reserved now; None: no
+        budget)."""
         cmds = self._settle_prefill(s.prefill, cached_tokens) + self._feedback(s)
         s = replace(s, prefill=None, pending_wait=None, pending_continue=None)
         if tools:
-            return self._tool_wait(s, tenant, worker, now, tools, kv_tokens, learned, cmds)
+            return self._tool_wait(s, tenant, worker, now, tools, kv_tokens, learned, cmds, parked_budget)
         s = replace(s, lifecycle=s.lifecycle.on(Event.ANSWER, now), answer=Answer(tenant, kv_tokens, now))
         s, arm = self._arm(s, SETTLE, now + self.params.prefill.settle_s)
         cmds.append(arm)
@@ -183,17 +197,43 @@ class SessionController:
         return Step(s, tuple(cmds))
 
     def _tool_wait(self, s: SessionState, tenant: str, worker: WorkerId, now: float, tools: tuple[str, ...],
-                   kv_tokens: int, learned: Learned, cmds: list[Command]) -> Step:
+                   kv_tokens: int, learned: Learned, cmds: list[Command], parked_budget: int | None) -> Step:
         if not self.params.plan_waits:
             return Step(replace(s, lifecycle=s.lifecycle.on(Event.TOOL_CALLS, now, tools=tools)), tuple(cmds))
         plan = learned.waits.plan(tenant, tools, now)
+        label = plan.action
+        if plan.action == "reserve" and parked_budget is not None and kv_tokens > parked_budget:
+            plan, label = learned.waits.released(plan, now), "over_budget"
         s = replace(s, lifecycle=s.lifecycle.on(Event.TOOL_CALLS, now, tools=tools, plan=plan))
-        cmds.append(Count("wait_plans", plan.action))
+        cmds.append(Count("wait_plans", label))
         if plan.action == "reserve":
             s, arm = self._arm(s, LAPSE, plan.deadline)
             s = replace(s, reservation=Reservation(worker, kv_tokens, plan.deadline, arm.token))
-            cmds += [Reserve(worker, kv_tokens, plan.deadline), arm]
+            # The lapse timer first: a refused reservation (reservation_refused) can then cancel it.
+            cmds += [arm, Reserve(worker, kv_tokens, plan.deadline, arm.token)]
         elif plan.prefetch_at is not None:
+            s, arm = self._arm(s, PREFETCH, plan.prefetch_at)
+            cmds.append(arm)
+        return Step(s, tuple(cmds))
+
+    def reservation_refused(self, s: SessionState, *, token: int, learned: Learned) -> Step:
+        """The fleet store refused reservation ``token`` (the tenant's parked KV reached its budget on
+        another replica meanwhile): the record drops it, so it never claims KV the store does not hold,
+        and the wait takes the release path, as it would have had the controller known."""
+        r = s.reservation
+        if r is None or r.token != token:
+            return Step(s)  # the wait is over already (the next request released it)
+        cmds: list[Command] = [Count("tool_waits", "reservation_refused")]
+        if s.timer(LAPSE) == token:
+            s = s.without_timer(LAPSE)
+            cmds.append(CancelTimers((LAPSE,)))
+        s = replace(s, reservation=None)
+        life = s.lifecycle
+        if life.state is not State.AWAITING_TOOL or life.plan is None:
+            return Step(s, tuple(cmds))
+        plan = learned.waits.released(life.plan, life.since)
+        s = replace(s, lifecycle=replace(life, plan=plan))
+        if plan.prefetch_at is not None:
             s, arm = self._arm(s, PREFETCH, plan.prefetch_at)
             cmds.append(arm)
         return Step(s, tuple(cmds))
@@ -260,9 +300,10 @@ class SessionController:
     # -- background prefill ------------------------------------------------------------------------
     def prefix_ready(self, s: SessionState, *, token: int, worker: WorkerId, divergence: int, prefix_tokens: int,
                      block_size: int, pending_requests: int, kv_usage: float, cost: CostParams,
-                     learned: Learned) -> Step:
+                     learned: Learned, prefill_budget: float | None = None) -> Step:
         """The next turn's prefix (``prefix_tokens`` long) shares ``divergence`` tokens with what the
-        worker cached: decide whether to prefill it there. The prefill timer stays armed until the
+        worker cached: decide whether to prefill it there. ``prefill_budget``: the background-prefill
+        tokens the tenant has left now (None: no budget). The prefill timer stays armed until the
         prefill is done, so if the replica running it dies, the replica that claims the timer next runs
         it again."""
         answer = s.answer
@@ -274,7 +315,8 @@ class SessionController:
         s = replace(s, answer=answer)
         gain = gain_tokens(divergence, prefix_tokens, block_size)
         p = learned.continues.p(answer.tenant, answer.size)
-        d = decide(self.params.prefill, gain, p, pending_requests=pending_requests, kv_usage=kv_usage)
+        d = decide(self.params.prefill, gain, p, pending_requests=pending_requests, kv_usage=kv_usage,
+                   budget=prefill_budget)
         cmds: list[Command] = [Count("prefill_decisions", d.reason)]
         if not d.issue:
             return Step(s.without_timer(PREFILL), tuple(cmds))
@@ -282,7 +324,7 @@ class SessionController:
         if old is not None and old.token != token:  # an older one nobody used
             cmds += ([CancelPrefill(old.worker, old.token)] if old.running else []) + [Count("prefills", "wasted")]
         gain_ms = cost.p1_ms * gain + cost.p_attn_ms * gain * divergence / 1e6
-        cmds += [IssuePrefill(worker, token), Count("prefills", "issued")]
+        cmds += [IssuePrefill(worker, token, gain), Count("prefills", "issued")]
         return Step(replace(s, prefill=PendingPrefill(worker, divergence, gain_ms, token)), tuple(cmds))
 
     def prefill_done(self, s: SessionState, *, token: int, ok: bool) -> Step:

@@ -18,6 +18,11 @@ critical path. The rule, per completed turn:
    until a tenant has shown that its users come back); a size bucket's rate is shrunk towards it.
 3. The home worker must have no foreground request waiting for its first token and KV usage under
    ``max_kv_usage``: a background prefill never queues ahead of a user and never evicts to make room.
+4. The tenant's background-prefill budget (``prefill_tokens_per_minute``, docs/admission.md), when it
+   has one, must still hold the gain: ``over_budget`` otherwise. The gain is what the budget counts —
+   the tokens the prefill makes the engine compute; the part of the prefix the worker caches costs it
+   a lookup, and counting it would let one long conversation spend a minute's budget on a few hundred
+   tokens of work. Checked last, so ``over_budget`` counts only prefills the budget alone prevented.
 
 The reasoning/answer ratio enters through (1): the longer the dropped reasoning relative to the
 answer, the more of the cached chain is dead, but the gain is the answer and what follows it.
@@ -57,7 +62,8 @@ class PrefillParams(BaseModel):
 class PrefillDecision:
     issue: bool
     reason: str
-    """issued, disabled, nothing_dropped, small_gain, unlikely_to_continue, worker_busy, kv_pressure."""
+    """issued, disabled, nothing_dropped, small_gain, unlikely_to_continue, worker_busy, kv_pressure,
+    over_budget."""
     gain_tokens: int = 0
     p_continue: float = 0.0
 
@@ -114,8 +120,9 @@ class ContinueStats:
         return {t: list(v) for t, v in self._tenant.items()}
 
 
-def decide(params: PrefillParams, gain: int, p: float, *, pending_requests: int,
-           kv_usage: float) -> PrefillDecision:
+def decide(params: PrefillParams, gain: int, p: float, *, pending_requests: int, kv_usage: float,
+           budget: float | None = None) -> PrefillDecision:
+    """``budget``: the tenant's background-prefill tokens left (None: no budget)."""
     if not params.enabled:
         return PrefillDecision(False, "disabled")
     if gain <= 0:
@@ -128,6 +135,8 @@ def decide(params: PrefillParams, gain: int, p: float, *, pending_requests: int,
         return PrefillDecision(False, "worker_busy", gain, p)
     if kv_usage > params.max_kv_usage:
         return PrefillDecision(False, "kv_pressure", gain, p)
+    if budget is not None and gain > budget:
+        return PrefillDecision(False, "over_budget", gain, p)
     return PrefillDecision(True, "issued", gain, p)
 
 

@@ -15,6 +15,8 @@ Plan (the rule, per wait):
 - longer: *release* — the blocks may be evicted (LMCache already holds them, store-on-compute), and
   a prefetch is due ``prefetch_lead_s`` before the predicted resume, so the next request finds the
   prefix in the CPU tier rather than in Redis.
+- a short wait whose tenant's parked-KV budget cannot hold its KV is planned as a long one
+  (``released``; the session controller decides that, the budget is its input).
 """
 
 from __future__ import annotations
@@ -107,8 +109,18 @@ class WaitPredictor:
         predicted = self.predict(tenant, tools)
         if predicted <= p.reserve_max_s:
             return WaitPlan(predicted, "reserve", now + predicted * p.deadline_factor)
-        resume = now + predicted
-        return WaitPlan(predicted, "release", resume, max(now, resume - p.prefetch_lead_s))
+        return self._release(predicted, now)
+
+    def released(self, plan: WaitPlan, start: float) -> WaitPlan:
+        """``plan``, for a wait that began at ``start``, as a long wait's: the KV released and prefetched
+        before the predicted resume. What a short wait becomes when its tenant's parked-KV budget cannot
+        hold it: the session then reloads from the CPU tier rather than recomputing, and the prefetch
+        takes node CPU memory, not the GPU memory the budget protects."""
+        return self._release(plan.predicted_s, start)
+
+    def _release(self, predicted: float, start: float) -> WaitPlan:
+        resume = start + predicted
+        return WaitPlan(predicted, "release", resume, max(start, resume - self.params.prefetch_lead_s))
 
     def snapshot(self) -> Mapping[str, object]:
         return {"keys": len(self._recent), "observed": self.observed, "overruns": self.overruns,
