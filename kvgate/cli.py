@@ -319,7 +319,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         elif args.which == "tenants":
             from kvgate.bench import tenants
 
-            tenants.run(quick=args.quick)
+            tenants.run_bench(quick=args.quick, out=Path(args.out))
         elif args.which == "epp":
             from kvgate.bench import epp
 

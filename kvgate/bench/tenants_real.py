@@ -1,18 +1,17 @@
-"""``kvgate bench tenants``: what a heavy tenant does to a light one's time to first token, with admission
-off and on.
+"""The real-process part of ``kvgate bench tenants``: the same question as the virtual-time part
+(``tenants.py``), asked of the whole gateway over HTTP.
 
-Three simulated vLLM workers with four sequence slots each (``max_num_seqs=4``) behind one gateway. A
-light tenant sends streamed chat requests at ``light_rps`` (Poisson arrivals, open loop), first alone
-(solo), then beside a heavy tenant sending the same kind of request at ten times its rate: once with
-admission off, once with it on (both tenants under the same default limits: ``max_concurrent`` of the
-fleet's 12 slots, ``worker_slots=4``, the fair queue). Each phase runs on fresh workers and a fresh
-gateway; a phase ends when every light request it started has finished (heavy requests still running
-are left to finish too, so the light tenant's last requests see the backlog the heavy one built).
+Three simulated vLLM workers (``kvgate sim`` processes, the h100-llama3-8b timing run ``slowdown`` times
+slower, ``max_num_seqs`` slots each, KV events on) behind one ``kvgate serve`` process; the clients run in
+this process. A light tenant sends streamed chat requests at ``light_rps`` (Poisson, open loop, no
+retries), first alone (solo), then beside a heavy tenant at ``heavy_factor`` times its rate, with
+admission off and on. Each phase gets fresh processes. A phase ends when every light request it started
+has finished; heavy requests still running then get ``HEAVY_DRAIN_S`` more, then their clients leave.
 
-The full run adds a row (``EXTRA``). Reported: the light tenant's
-TTFT p50 and p99 (as its client sees it: queueing in the gateway and in the
-engine included) and their ratio to solo, and the heavy tenant's 429 and 503 answers. Clients do not
-retry. All in one process (gateway, workers, clients), so the machine's CPU is shared by all three.
+TTFT is the client's: from sending the request to the first content token of the stream (the simulated
+model answers with an empty reasoning block first, so this includes a few decode steps after the
+prefill). On 2 cores the gateway, the workers' simulation and the clients share the CPU: the ``load``
+column is the 1-minute load average at each phase's end.
 """
 
 from __future__ import annotations
@@ -25,21 +24,17 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 
-from kvgate.bench.stores import pct
-from kvgate.config import GatewaySettings, WorkerConfig
-from kvgate.gateway.app import create_app, make_client
-from kvgate.serving import ServerHandle, start_server
-from kvgate.sim.server import SimWorker
-from kvgate.sim.settings import SimSettings
-from kvgate.tokens.tinymodel import ensure_tiny_model
+from kvgate.bench.report import pct
+from kvgate.dev.engines import EngineSet, Proc, free_ports, spawn, wait_http
+from kvgate.tokens.tinymodel import WORDS, ensure_tiny_model
 
 MODEL = "kvgate-tiny"
 WORKERS = 3
-SLOTS = 4
 REQUEST_TIMEOUT_S = 120.0
 """A request without an answer this long counts as failed (status 0 in the tallies)."""
 HEAVY_DRAIN_S = 60.0
@@ -50,14 +45,16 @@ class Params:
     seconds: float = 40.0
     light_rps: float = 2.0
     heavy_factor: float = 10.0
-    prompt_words: int = 100
-    """~300 prompt tokens of the tiny model's tokenizer; each request's text is its own (no shared prefix)."""
+    prompt_tokens: int = 300
+    """Each request's own text (no prefix shared with others): words of the tiny model's vocabulary, one
+    token each."""
     output_tokens: int = 24
-    speed: float = 0.25
-    """The h100-llama3-8b timing profile run 4× slower: ~130 ms to prefill a prompt, ~28 ms a decode step,
-    so a request holds a slot ~0.8 s and the workers' time dominates the gateway's."""
+    slots: int = 4
+    slowdown: float = 4.0
+    """The h100-llama3-8b timing run this many times slower (a 300-token prefill ~130 ms, a decode step
+    ~28 ms), so the workers' time dominates the gateway's on this machine."""
     max_concurrent: int = 8
-    """Every tenant's limit (admission on), of the fleet's 12 slots."""
+    """Every tenant's limit (admission on)."""
     queue_size: int = 64
     max_queue_wait_s: float = 5.0
 
@@ -77,8 +74,6 @@ class Phase:
     light: Tally
     heavy: Tally | None
     load: float = 0.0
-    """The machine's 1-minute load average at the phase's end: the workers' timing is simulated on this
-    machine's CPU, so a busy machine shows in every row."""
 
 
 @dataclass(frozen=True)
@@ -86,24 +81,20 @@ class PhaseSpec:
     name: str
     heavy: bool = False
     admission: bool = False
-    max_concurrent: int | None = None
-    """Every tenant's limit; None: ``Params.max_concurrent``."""
-    heavy_batch: bool = False
-    """The heavy tenant's requests say ``x-kvgate-priority: batch``, and the class goes to the workers as vLLM's
-    ``priority`` (``worker_priority``; the simulated workers run priority scheduling)."""
+    extra: tuple[tuple[str, Any], ...] = ()
+    """Admission settings beside the bench's (``fair_share``, ``worker_slots``, tenants' weights)."""
 
 
-async def _request(http: httpx.AsyncClient, url: str, tenant: str, rng: random.Random, p: Params, tally: Tally,
-                   batch: bool) -> None:
-    words = " ".join(f"w{rng.randrange(1_000_000)}" for _ in range(p.prompt_words // 2))
+async def _request(http: httpx.AsyncClient, url: str, tenant: str, rng: random.Random, p: Params,
+                   tally: Tally) -> None:
+    words = " ".join(rng.choice(WORDS) for _ in range(p.prompt_tokens - 8))  # the template adds ~8
     body = {"model": MODEL, "stream": True, "max_tokens": p.output_tokens,
             "messages": [{"role": "user", "content": words}],
             "sim": {"reasoning_tokens": 0, "answer_tokens": p.output_tokens, "tool_calls": 0}}
     t0 = time.perf_counter()
     try:
         async with http.stream("POST", url + "/v1/chat/completions", json=body,
-                               headers={"x-tenant-id": tenant, "x-conversation-id": uuid.uuid4().hex,
-                                        "x-kvgate-priority": "batch" if batch else "interactive"}) as r:
+                               headers={"x-tenant-id": tenant, "x-conversation-id": uuid.uuid4().hex}) as r:
             tally.count(r.status_code)
             if r.status_code != 200:
                 await r.aread()
@@ -121,7 +112,7 @@ async def _request(http: httpx.AsyncClient, url: str, tenant: str, rng: random.R
 
 
 async def _tenant(http: httpx.AsyncClient, url: str, tenant: str, rps: float, p: Params, seed: int, tally: Tally,
-                  tasks: list[asyncio.Task[None]], batch: bool = False) -> None:
+                  tasks: list[asyncio.Task[None]]) -> None:
     """Poisson arrivals for ``p.seconds``; each request its own task (open loop)."""
     rng = random.Random(seed)
     end = time.monotonic() + p.seconds
@@ -129,54 +120,74 @@ async def _tenant(http: httpx.AsyncClient, url: str, tenant: str, rps: float, p:
         await asyncio.sleep(rng.expovariate(rps))
         if time.monotonic() >= end:
             return
-        tasks.append(asyncio.create_task(_request(http, url, tenant, rng, p, tally, batch)))
+        tasks.append(asyncio.create_task(_request(http, url, tenant, rng, p, tally)))
 
 
-async def _cluster(p: Params, spec: PhaseSpec) -> tuple[list[ServerHandle], ServerHandle]:
+def _cluster(p: Params, spec: PhaseSpec, run_dir: Path) -> tuple[EngineSet, str]:
     model_dir = ensure_tiny_model()
-    sims = []
-    for _ in range(WORKERS):
-        w = SimWorker(SimSettings(model_dir=str(model_dir), profile="h100-llama3-8b", hash_seed="0", speed=p.speed,
-                                  max_num_seqs=SLOTS, priority_scheduling=spec.heavy_batch))
-        sims.append(await start_server(w.build_app()))
-    adm: dict[str, Any] = {"enabled": spec.admission, "worker_slots": SLOTS, "queue_size": p.queue_size,
-                           "max_queue_wait_s": p.max_queue_wait_s, "worker_priority": spec.heavy_batch,
-                           "defaults": {"max_concurrent": spec.max_concurrent or p.max_concurrent}}
-    gw = await start_server(create_app(GatewaySettings(
-        workers=[WorkerConfig(url=s.url, model=MODEL, engine="sim", block_size=16) for s in sims],
-        tokenizers={MODEL: str(model_dir)}, hash_seed="0", admission=adm, health_interval_s=1.0)))
-    return sims, gw
+    engines = EngineSet(run_dir=run_dir)
+    ports = free_ports(3 * WORKERS + 1)
+    workers = []
+    for i in range(WORKERS):
+        port, ev, rep = ports[3 * i : 3 * i + 3]
+        env = {"KVGATE_SIM_PROFILE": "h100-llama3-8b", "KVGATE_SIM_SPEED": str(1 / p.slowdown),
+               "KVGATE_SIM_MAX_NUM_SEQS": str(p.slots), "KVGATE_SIM_HASH_SEED": "0",
+               "KVGATE_SIM_MODEL_DIR": str(model_dir), "KVGATE_SIM_KV_EVENTS_ENDPOINT": f"tcp://127.0.0.1:{ev}",
+               "KVGATE_SIM_KV_REPLAY_ENDPOINT": f"tcp://127.0.0.1:{rep}"}
+        proc = spawn(f"sim-{port}", [sys.executable, "-m", "kvgate.cli", "--log-level", "WARNING", "sim", "--port",
+                                     str(port)], env, engines.run_dir)
+        proc.url = f"http://127.0.0.1:{port}"
+        engines.procs.append(proc)
+        workers.append({"url": proc.url, "model": MODEL, "engine": "sim", "block_size": 16, "kv_events": "auto"})
+    for proc in engines.procs:
+        wait_http(proc, proc.url + "/health", 60)
+    adm: dict[str, Any] = {"enabled": spec.admission, "worker_slots": p.slots, "queue_size": p.queue_size,
+                           "max_queue_wait_s": p.max_queue_wait_s,
+                           "defaults": {"max_concurrent": p.max_concurrent}, **dict(spec.extra)}
+    env = {"KVGATE_WORKERS": json.dumps(workers), "KVGATE_TOKENIZERS": json.dumps({MODEL: str(model_dir)}),
+           "KVGATE_HASH_SEED": "0", "KVGATE_HEALTH_INTERVAL_S": "1", "KVGATE_ADMISSION": json.dumps(adm)}
+    port = ports[-1]
+    gw: Proc = spawn(f"kvgate-{port}", [sys.executable, "-m", "kvgate.cli", "--log-level", "WARNING", "serve",
+                                        "--port", str(port)], env, engines.run_dir)
+    gw.url = f"http://127.0.0.1:{port}"
+    engines.procs.append(gw)
+    wait_http(gw, gw.url + "/ready", 60)
+    return engines, gw.url
 
 
-async def phase(spec: PhaseSpec, p: Params, seed: int) -> Phase:
-    sims, gw = await _cluster(p, spec)
+async def phase(spec: PhaseSpec, p: Params, seed: int, run_dir: Path) -> Phase:
+    engines, url = await asyncio.to_thread(_cluster, p, spec, run_dir / f"{seed}-{spec.name.replace(' ', '_')}")
     light, heavy_t = Tally(), Tally() if spec.heavy else None
     light_tasks: list[asyncio.Task[None]] = []
     heavy_tasks: list[asyncio.Task[None]] = []
+    limits = httpx.Limits(max_connections=2000, max_keepalive_connections=200)
     try:
-        async with make_client(httpx.Timeout(REQUEST_TIMEOUT_S)) as http:
-            senders = [_tenant(http, gw.url, "light", p.light_rps, p, seed, light, light_tasks)]
+        async with httpx.AsyncClient(timeout=httpx.Timeout(REQUEST_TIMEOUT_S), limits=limits) as http:
+            senders = [_tenant(http, url, "light", p.light_rps, p, seed, light, light_tasks)]
             if heavy_t is not None:
-                senders.append(_tenant(http, gw.url, "heavy", p.light_rps * p.heavy_factor, p, seed + 1, heavy_t,
-                                       heavy_tasks, spec.heavy_batch))
+                senders.append(_tenant(http, url, "heavy", p.light_rps * p.heavy_factor, p, seed + 1000, heavy_t,
+                                       heavy_tasks))
             await asyncio.gather(*senders)
             await asyncio.gather(*light_tasks)
-            # The light tenant is measured; the heavy one's stragglers get a while, then their clients leave.
             _, late = await asyncio.wait(heavy_tasks, timeout=HEAVY_DRAIN_S) if heavy_tasks else (set(), set())
             for t in late:
                 t.cancel()
             await asyncio.gather(*late, return_exceptions=True)
     finally:
-        await gw.stop()
-        for s in sims:
-            await s.stop()
+        await asyncio.to_thread(engines.stop)
     return Phase(spec.name, light, heavy_t, os.getloadavg()[0])
 
 
+PHASES = (PhaseSpec("solo", admission=True), PhaseSpec("with heavy, admission off", heavy=True),
+          PhaseSpec("with heavy, admission on, fair share off", heavy=True, admission=True,
+                    extra=(("fair_share", False),)),
+          PhaseSpec("with heavy, admission on", heavy=True, admission=True))
+
+
 def table(by_seed: dict[int, list[Phase]], p: Params) -> str:
-    lines = [f"light tenant {p.light_rps:g} req/s, heavy {p.light_rps * p.heavy_factor:g} req/s; {WORKERS} simulated "
-             f"workers x {SLOTS} slots; {p.seconds:g} s per phase; max_concurrent {p.max_concurrent} per tenant "
-             "(admission on, unless the phase says otherwise)", "",
+    lines = [f"Real processes: light tenant {p.light_rps:g} req/s, heavy {p.light_rps * p.heavy_factor:g} req/s; "
+             f"{WORKERS} kvgate sim workers x {p.slots} slots; {p.prompt_tokens}-token prompts, {p.output_tokens} "
+             f"output tokens; {p.seconds:g} s per phase; max_concurrent {p.max_concurrent} per tenant", "",
              "| seed | phase | light n | light TTFT p50 (ms) | p99 (ms) | p50 / solo | p99 / solo | "
              "heavy 200 | heavy 429 | heavy 503 | light non-200 (status x n; 0: no answer) | load |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -195,30 +206,18 @@ def table(by_seed: dict[int, list[Phase]], p: Params) -> str:
     return "\n".join(lines)
 
 
-PHASES = (PhaseSpec("solo"), PhaseSpec("with heavy, admission off", heavy=True),
-          PhaseSpec("with heavy, admission on", heavy=True, admission=True))
-EXTRA = (PhaseSpec("with heavy, admission on, max_concurrent 6", heavy=True, admission=True, max_concurrent=6),)
-"""The full run's extra row: the limit at half the fleet's slots (the light tenant shares the engines' steps
-with what the heavy one runs). ``heavy_batch`` is not run by default: the simulator's priority model is the
-one of kvgate's background prefills, where a waiting higher-priority request does not preempt running
-lower-priority ones, so a worker whose four sequences are all batch requests holds an interactive request
-until its client gives up (vLLM's priority scheduler preempts instead)."""
-
-
-async def measure(p: Params, seeds: list[int], phases: tuple[PhaseSpec, ...] = PHASES) -> dict[int, list[Phase]]:
+async def measure(p: Params, seeds: list[int], phases: tuple[PhaseSpec, ...], run_dir: Path
+                  ) -> dict[int, list[Phase]]:
     out: dict[int, list[Phase]] = {}
     for seed in seeds:
         out[seed] = []
         for spec in phases:
             t0 = time.monotonic()
-            out[seed].append(await phase(spec, p, seed))
+            out[seed].append(await phase(spec, p, seed, run_dir))
             print(f"seed {seed}: {spec.name}: {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
     return out
 
 
-def run(quick: bool = False, seeds: list[int] | None = None) -> str:
-    p = Params(seconds=5.0) if quick else Params()
-    phases = PHASES if quick else PHASES + EXTRA
-    text = table(asyncio.run(measure(p, seeds or ([1] if quick else [1, 2]), phases)), p)
-    print(text)
-    return text
+def run(p: Params, seeds: list[int], phases: tuple[PhaseSpec, ...] = PHASES,
+        run_dir: Path = Path("bench-out/tenants")) -> str:
+    return table(asyncio.run(measure(p, seeds, phases, run_dir)), p)
