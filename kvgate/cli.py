@@ -232,8 +232,9 @@ def _build_parser() -> argparse.ArgumentParser:
     b.add_argument("--weights", action="store_true", help="also random weights (needs torch)")
 
     bn = sub.add_parser("bench", help="benchmarks from a source checkout: mooncake, swe, tiering, stores, overhead, "
-                        "tracing, epp, tenants")
-    bn.add_argument("which", choices=["mooncake", "swe", "tiering", "stores", "overhead", "tracing", "epp", "tenants"])
+                        "tracing, epp, tenants, hostile")
+    bn.add_argument("which", choices=["mooncake", "swe", "tiering", "stores", "overhead", "tracing", "epp", "tenants",
+                                          "hostile"])
     bn.add_argument("--trace", help="Mooncake-format trace, .jsonl or .jsonl.gz "
                     "(default: data/mooncake/conversation_trace.jsonl.gz)")
     bn.add_argument("--out", default="bench-out", help="output directory (default: bench-out)")
@@ -320,6 +321,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             from kvgate.bench import tenants
 
             tenants.run_bench(quick=args.quick, out=Path(args.out))
+        elif args.which == "hostile":
+            from kvgate.bench import hostile
+
+            print(hostile.run(Path(args.out) / "hostile"))
         elif args.which == "epp":
             from kvgate.bench import epp
 

@@ -8,7 +8,7 @@ Two parts, printed as tables side by side with their solo baselines:
    while looking at seeds 1–5 of these workloads; the tables report seeds 6–15, which it was not
    looked at on. The workloads: the real-process part's (3 workers × 4 slots, 300-token prompts, 24
    output tokens, light 2 req/s); the same with 16 slots per worker; prompts of 100–2,000 tokens and
-   answers of 16–256; the light tenant as an agent (8-turn conversations whose history is cached where
+   answers of 16–256 (light 0.5 req/s); the light tenant as an agent (8-turn conversations whose history is cached where
    they were served); a wider fleet (8 workers × 16 slots, light 4 req/s).
 2. **Real processes** (``tenants_real.py``): the first workload through ``kvgate serve`` and ``kvgate sim``
    processes over HTTP.
@@ -34,7 +34,9 @@ from kvgate.bench.tenantfleet import HEAVY, LIGHT, Mode, Workload, run
 WORKLOADS = (
     Workload("3 workers x 4 slots, 300-token prompts"),
     Workload("3 workers x 16 slots", slots=16),
-    Workload("3 x 16, prompts 100-2000, outputs 16-256", slots=16, prompt=(100, 2000), output=(16, 256)),
+    # Long answers hold a slot ~4 s: at 2 req/s the light tenant alone would outrun its own max_concurrent.
+    Workload("3 x 16, prompts 100-2000, outputs 16-256, light 0.5 req/s", slots=16, prompt=(100, 2000),
+             output=(16, 256), light_rps=0.5),
     Workload("3 x 16, light is an agent (8 turns)", slots=16, prompt=(200, 400), light_turns=8),
     Workload("8 workers x 16 slots, light 4 req/s", workers=8, slots=16, light_rps=4.0),
 )
