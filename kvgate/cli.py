@@ -46,7 +46,7 @@ def _parse_worker(spec: str) -> dict[str, str]:
 async def _serve(args: argparse.Namespace) -> None:
     from kvgate.config import GatewaySettings
     from kvgate.gateway.app import create_app
-    from kvgate.serving import start_server
+    from kvgate.serving import freeze_startup_heap, start_server
 
     # `kvgate epp` is `serve` with the endpoint picker on (port 9002 unless configured).
     epp_port = getattr(args, "epp_port", None)
@@ -69,6 +69,7 @@ async def _serve(args: argparse.Namespace) -> None:
 
     handle = await start_server(app, settings.host, settings.port, graceful_timeout_s=settings.drain_timeout_s,
                                 on_drain=drain, install_signal_handlers=True)
+    freeze_startup_heap()
     logging.getLogger("kvgate").info("gateway on %s with %d workers", handle.url, len(settings.workers))
     grpc = app.state.grpc
     if grpc.epp_port is not None:
