@@ -126,9 +126,13 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator
         # The open gateway routes by the cost model (the default, and the most code) and keeps conversations
         # in memory; the secured one routes round robin, so the SGLang worker gets its half of the requests
         # whatever the cost model prefers, and keeps them in the local Redis (the store replicas share).
+        # Admission on both, with limits no fuzz run reaches: every request goes through the quota check (in
+        # Redis for the secured one, with client-chosen tenants in memory for the open one) and the slots.
+        admission = {"enabled": True, "defaults": {"max_concurrent": 256, "requests_per_minute": 1_000_000,
+                                                   "tokens_per_minute": 1_000_000_000}}
         secured = {"auth": secured_auth, "policy": "round_robin", "session_store": "redis",
-                   "redis_url": REDIS_URL, "redis_prefix": redis_prefix, "session_ttl_s": 600}
-        for name, extra in (("open", {}), ("secured", secured)):
+                   "redis_url": REDIS_URL, "redis_prefix": redis_prefix, "session_ttl_s": 600, "admission": admission}
+        for name, extra in (("open", {"admission": admission}), ("secured", secured)):
             port = free_port()
             cfg = tmp / f"{name}.yaml"
             cfg.write_text(yaml.safe_dump({**base, **extra, "port": port}))

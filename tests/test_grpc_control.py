@@ -128,7 +128,9 @@ async def test_explain_answers_bad_requests_with_their_status(make_cluster: Any,
 
 
 async def test_deadlines_end_calls_and_the_server_lets_go(make_cluster: Any) -> None:
-    c, ch = await cluster(make_cluster)
+    # A context large enough that the long prompt is rendered and tokenized (tens of ms), not refused by its
+    # character count in well under the 1 ms deadline (which made this race the deadline and lose now and then).
+    c, ch = await cluster(make_cluster, hostile={"max_prompt_tokens": 1_000_000})
     routing = rgrpc.RoutingStub(ch)
     big = [{"role": "user", "content": "a long prompt " * 20000}]
     err = await rpc_error(routing.Explain(explain_req(big, "slow"), timeout=0.001))

@@ -69,6 +69,7 @@ def parse_priority(value: str | None, default: Priority, header: str) -> Priorit
 @dataclass(eq=False)
 class _Waiter:
     fut: asyncio.Future[None]
+    tenant: str
 
 
 @dataclass
@@ -206,7 +207,7 @@ class Admission:
         now = self.now()
         if pool.try_take(tenant, priority, self.capacity(model), now):
             return
-        w = _Waiter(asyncio.get_running_loop().create_future())
+        w = _Waiter(asyncio.get_running_loop().create_future(), tenant)
         if not pool.push(tenant, priority, w):
             raise self._unavailable("queue_full", f"The admission queue for model `{model}` is full.")
         self._grant(model)  # capacity may have grown (a worker came back) since try_take
@@ -229,8 +230,15 @@ class Admission:
         pool = self._pools.get(model)
         if pool is None or not len(pool):
             return
+        gone = False
         for w in pool.grant(self.capacity(model), self.now()):
-            w.fut.set_result(None)
+            if not w.fut.done():
+                w.fut.set_result(None)
+            else:  # its request gave up meanwhile: the slot goes back
+                pool.release(w.tenant, self.now())
+                gone = True
+        if gone:
+            self._grant(model)
 
     def _unavailable(self, reason: str, message: str) -> ServiceUnavailable:
         self._count(reason)
