@@ -18,8 +18,7 @@ import heapq
 import itertools
 import math
 import random
-from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 
 from kvgate.admission.capacity import SlotEstimate, learn_slots
 from kvgate.admission.quota import Quota, TenantState, admit, release
@@ -103,7 +102,6 @@ class Outcome:
     """One run: every request with its status (200, 429, 503) and times."""
 
     requests: list[Req]
-    busy_s: list[float] = field(default_factory=list)
 
     def ttft_ms(self, tenant: str) -> list[float]:
         return [(r.first - r.arrival) * 1000 for r in self.requests
@@ -184,7 +182,6 @@ class TenantFleet:
             self._by_id[r.id] = r
         if self.mode.learned:
             self._at(POLL_S, "poll", None)
-        busy_s = [0.0] * self.w.workers
         while self._heap:
             now = self._heap[0][0]
             touched: set[int] = set()
@@ -198,9 +195,8 @@ class TenantFleet:
                     apply_events(self.index, self.ids[i], self.engines[i].take_events())
                     if step is not None:
                         self._busy[i] = True
-                        busy_s[i] += step[0] / 1000
                         self._at(now + step[0] / 1000, "step", (i, step[1]))
-        return Outcome(reqs, busy_s)
+        return Outcome(reqs)
 
     def _pending(self) -> bool:
         return any(k != "poll" for _, _, k, _ in self._heap) or any(self._busy)
@@ -317,10 +313,3 @@ class TenantFleet:
 def run(w: Workload, mode: Mode, seed: int) -> Outcome:
     return TenantFleet(w, mode).run(arrivals(w, seed, mode.heavy))
 
-
-def solo(mode: Mode) -> Mode:
-    return replace(mode, name="solo", heavy=False)
-
-
-def seeds(n: int, first: int = 1) -> Iterator[int]:
-    return iter(range(first, first + n))
