@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gc
+import random
 import socket
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
@@ -79,10 +82,25 @@ def bind(host: str, port: int) -> socket.socket:
     proto says TCP, and without it a streamed response's first event waits ~40 ms for the client's
     delayed ACK."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    return sock
+    for _ in range(8):
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        # SO_REUSEADDR (a server restarted on its port binds it over the old connections) is set after
+        # bind for port 0: set before, Linux may hand out a port an outgoing connection holds, and
+        # listen() then fails EADDRINUSE (seen in CI). Set after, the connections this socket accepts
+        # still inherit it. Listening here makes any such failure ours to retry.
+        try:
+            if port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.listen(2048)
+        except OSError as e:
+            sock.close()
+            if port or e.errno != errno.EADDRINUSE:
+                raise
+            continue
+        return sock
+    raise OSError(errno.EADDRINUSE, f"no free port on {host}")
 
 
 async def start_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0, *,
@@ -112,8 +130,23 @@ def freeze_startup_heap() -> None:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on now, for a socket bound a moment later (the demo's KV event sockets)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
+    """A TCP port nothing listens on now, for a socket bound a moment later (KV event sockets, a process
+    started next). Drawn below the kernel's ephemeral range: there, an outgoing connection opened in the
+    meantime (a starting vLLM opens many) could be handed the same port before it is bound."""
+    lo, hi = 20000, 32000
+    try:
+        eph_lo = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+        hi = min(hi, eph_lo)
+        lo = min(lo, hi - 1000)
+    except (OSError, ValueError, IndexError):
+        pass
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(lo, hi)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise OSError(errno.EADDRINUSE, f"no free port below the ephemeral range on {host}")

