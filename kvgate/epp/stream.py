@@ -15,6 +15,12 @@ read on the way, usage the client did not ask for is removed), a JSON answer is 
 the turn is recorded through the same ``Recorder`` as in proxy mode, before the last chunk goes back,
 so the client never sees the end of a response whose turn is not recorded yet. A stream that ends
 before that (the client went away, Envoy gave up) releases the worker slot and records nothing.
+
+Tenants as in proxy mode: with auth on, every request Envoy asks about is authenticated from the client's
+headers Envoy passes on (the tenant is the credential's, its salt goes into the body, the client's
+credential is replaced by the workers' key or removed); with admission on, the request is admitted
+before it is prepared and holds its admission until the ext_proc stream ends, which is when Envoy is done
+with the response (or gave up on it).
 """
 
 from __future__ import annotations
@@ -27,7 +33,9 @@ from kvgate import safejson
 from kvgate.epp import protocol as proto
 from kvgate.epp.endpoints import endpoint_of, outside
 from kvgate.errors import ApiError, BadRequest, PayloadTooLarge, ServiceUnavailable
+from kvgate.gateway.auth import Principal, require
 from kvgate.gateway.exchange import Endpoint, Exchange, Prepared
+from kvgate.gateway.relay import charge_completion
 from kvgate.gateway.sse import SseSplitter
 from kvgate.gateway.telemetry import STATUS_CLIENT_CLOSED
 from kvgate.grpc.gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -72,6 +80,8 @@ class EppStream:
         self.done = False
         """Nothing more to answer (an immediate response went out)."""
         self.decided_at: float | None = None
+        self.prepared: Prepared | None = None
+        """Set once prepared: its admission ticket is released when the stream ends."""
 
     # -- the stream ------------------------------------------------------------------------------
     async def handle(self, req: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
@@ -103,7 +113,10 @@ class EppStream:
         self.resp_mode = pc.response_body_mode or self.resp_mode
 
     def close(self) -> None:
-        """The stream ended. A request whose response did not complete gave up its worker slot here."""
+        """The stream ended: Envoy is done with the request. Its admission ends here; a request whose
+        response did not complete gave up its worker slot here."""
+        if self.prepared is not None and self.prepared.ticket is not None:
+            self.prepared.ticket.release()
         ex = self.ex
         if ex is None or self.finished:
             return
@@ -149,9 +162,12 @@ class EppStream:
         self.body_done = True
         t0 = time.perf_counter()
         try:
+            principal = self._principal()
             if self.kind is None:
                 return self._forward(self._fallback(), bytes(self.body), changed=False)
-            p = await self.gw.proxy.preparer.prepare_body(self._json(), self.headers, self.kind)
+            preparer = self.gw.proxy.preparer
+            self.prepared = p = await preparer.prepare_body(self._json(), self.headers, self.kind,
+                                                            principal=principal, admit=preparer.admission is not None)
             endpoints = await self._route(p)
             return self._forward(endpoints, p.payload, changed=True)
         except ApiError as exc:
@@ -159,6 +175,25 @@ class EppStream:
         finally:
             if self.epp_metrics is not None:
                 self.epp_metrics.decision.observe(time.perf_counter() - t0)
+
+    def _principal(self) -> Principal | None:
+        """Auth on: who is calling, from the headers Envoy passes on (401 / 403 as the proxy answers).
+        Every request, routed by prefix or not: whatever Envoy forwards reaches a worker with the workers'
+        key."""
+        auth = self.gw.auth
+        return require(auth, self.headers, proxy=True) if auth.settings.enabled else None
+
+    def _credentials(self) -> ep.HeaderMutation:
+        """The workers' credential instead of the client's: the client's key is kvgate's, never the worker's."""
+        s = self.gw.settings.auth
+        m = ep.HeaderMutation()
+        if s.worker_api_key is not None:
+            m.set_headers.extend(proto.set_headers({"authorization": f"Bearer {s.worker_api_key.get_secret_value()}"}))
+            if s.enabled:
+                m.remove_headers.append("x-api-key")
+        elif s.enabled:
+            m.remove_headers.extend(["authorization", "x-api-key"])
+        return m
 
     def _json(self) -> dict[str, Any]:
         try:
@@ -217,8 +252,9 @@ class EppStream:
         headers = {proto.DESTINATION: endpoints}
         if changed:
             headers["content-length"] = str(len(body))
-        common = ep.CommonResponse(header_mutation=ep.HeaderMutation(set_headers=proto.set_headers(headers)),
-                                   clear_route_cache=True)
+        mutation = self._credentials()
+        mutation.set_headers.extend(proto.set_headers(headers))
+        common = ep.CommonResponse(header_mutation=mutation, clear_route_cache=True)
         md = proto.destination_metadata(endpoints)
         if self.headers_answered:  # BUFFERED: the pick rides on the body response
             if changed:
@@ -322,6 +358,7 @@ class EppStream:
         self.finished = True
         self.gw.pool.release(ex.decision.worker, ex.prefill_tokens, ex.prepared.prompt.length, ex.ttft_s is not None)
         if 200 <= self.status < 300:
+            charge_completion(ex)
             await self.gw.recorder.record(ex)
         self.m.count_request(ex.prepared.endpoint, self.status)
         data, self.held = bytes(self.held), bytearray()

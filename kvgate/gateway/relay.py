@@ -68,7 +68,7 @@ class Relay:
             ex.engine_ids = EngineIds.take(obj)
             content = json.dumps(obj).encode()
         ex.prepared.trace.answered(ex)
-        _charge_completion(ex)
+        charge_completion(ex)
         await self.recorder.record(ex)
         self.requests.write(ex, "done")
         return content
@@ -106,7 +106,7 @@ class Relay:
                               self.clock.now() - ex.started if outcome == "done" else None)
             ex.prepared.trace.streamed(ex, outcome)
             if outcome == "done":
-                _charge_completion(ex)
+                charge_completion(ex)
                 await self.recorder.record(ex)
             elif outcome == "cancelled":
                 self.metrics.client_disconnects.inc()
@@ -187,7 +187,7 @@ def _loads(content: bytes) -> dict[str, Any] | None:
     return obj if isinstance(obj, dict) else None
 
 
-def _charge_completion(ex: Exchange) -> None:
+def charge_completion(ex: Exchange) -> None:
     """The tenant's tokens per minute count the completion too, now that the usage says how long it was."""
     t = ex.prepared.ticket
     if t is not None and ex.usage is not None:
