@@ -46,6 +46,9 @@ class SimRequest:
     blocks: list[int] = field(default_factory=list)
     hashes: list[BlockHash] = field(default_factory=list)
     num_cached_blocks: int = 0
+    """Blocks committed to the prefix cache (findable by other requests)."""
+    num_stored_blocks: int = 0
+    """Blocks whose KV the tiers have (stored by this request, or loaded from them, or a GPU hit)."""
     first_token_time: float | None = None
     finish_time: float | None = None
     background: bool = False
@@ -211,6 +214,7 @@ class EngineCore:
         req.blocks = []
         req.num_computed = 0
         req.num_cached_blocks = 0
+        req.num_stored_blocks = 0
         req.status = Status.WAITING
         (self.waiting_bg if req.background else self.waiting).appendleft(req)
         self.stats.preemptions += 1
@@ -254,6 +258,7 @@ class EngineCore:
                 assert got is not None, "free count was checked"
                 req.blocks.extend(got)
             out.append(Scheduled(req, num_new, req.num_computed))
+            self._committed_when_scheduled(req, req.num_computed + num_new)
             budget -= num_new
             i += 1
         # Then admit waiting requests, FCFS, while there is budget, room and memory; background
@@ -289,7 +294,7 @@ class EngineCore:
             got = self.pool.allocate(need) if need > 0 else []
             assert got is not None, "free count was checked"
             req.blocks = hit + got
-            req.num_cached_blocks = len(hit) + host
+            req.num_cached_blocks = req.num_stored_blocks = len(hit) + host
             req.num_computed = done
             if host:
                 # Loaded back from host memory before the prefill (SGLang's init_load_back).
@@ -315,6 +320,7 @@ class EngineCore:
             req.status = Status.RUNNING
             self.running.append(req)
             out.append(Scheduled(req, num_new, done))
+            self._committed_when_scheduled(req, done + num_new)
             budget -= num_new
         self._stats = (len(self.running), len(self.waiting) + len(self.waiting_bg))
         chunks = []
@@ -346,11 +352,18 @@ class EngineCore:
         return _TierHit(tier_tokens - hit_tokens, t.load_ms(cpu, remote), keys[: len(sources)],
                         cpu * t.chunk_tokens, remote * t.chunk_tokens)
 
-    def _cache_full_blocks(self, req: SimRequest, store: bool = True) -> None:
-        """Blocks that became full (their KV computed) join the prefix cache, as vLLM caches them; with
-        tiers, every chunk completed is stored to LMCache (store-on-compute)."""
+    def _committed_when_scheduled(self, req: SimRequest, upto_tokens: int) -> None:
+        """vLLM commits a request's blocks to the prefix cache when it allocates them for the tokens this
+        step computes (``allocate_slots`` -> ``cache_blocks``), so a request scheduled after it, in the
+        same step too, hits blocks still being computed: a layer's KV is written before its attention
+        reads it. Measured on vLLM 0.32 CPU: of two requests sharing a 2,048-token prefix sent at once,
+        the second reports 2,048 cached tokens. SGLang inserts into its radix tree after the forward."""
+        if self.kind.cache_when_scheduled:
+            self._commit(req, upto_tokens)
+
+    def _commit(self, req: SimRequest, upto_tokens: int) -> None:
         bs = self.block_size
-        full = req.num_computed // bs
+        full = upto_tokens // bs
         if full <= req.num_cached_blocks:
             return
         self._ensure_hashes(req, full)
@@ -359,6 +372,18 @@ class EngineCore:
             req.blocks[a:full], req.hashes[a:full], req.hashes[a - 1] if a > 0 else None,
             req.tokens(a * bs, full * bs), (req.cache_salt,) if req.cache_salt else None)
         req.num_cached_blocks = full
+
+    def _cache_full_blocks(self, req: SimRequest, store: bool = True) -> None:
+        """Blocks that became full (their KV computed) join the prefix cache (if scheduling has not
+        committed them already); with tiers, every chunk completed is stored to LMCache (store-on-compute,
+        after the forward)."""
+        bs = self.block_size
+        full = req.num_computed // bs
+        self._commit(req, req.num_computed)
+        a = req.num_stored_blocks
+        if full <= a:
+            return
+        req.num_stored_blocks = full
         if self.tiers is not None and store:
             per = self.tiers.chunk_tokens // bs
             upto = full if self.tiers.save_decode else min(full, len(req.prompt) // bs)

@@ -53,6 +53,9 @@ class EngineKind:
     cache_while_decoding: bool
     """vLLM caches a block as soon as it is full, generated tokens included; SGLang inserts a request's
     KV into its radix tree only when a prefill (chunk) completes and when the request finishes."""
+    cache_when_scheduled: bool
+    """vLLM commits blocks to its prefix cache when it schedules their computation (a request behind
+    them hits them at once); SGLang's radix tree takes them after the forward."""
     encode_event: Callable[[KVEvent], dict[str, Any]]
     replay_repeats_topic: bool
     """SGLang's replay replies are ``[topic, seq, payload]`` like live ones; vLLM's omit the topic."""
@@ -124,8 +127,8 @@ def _sglang_hasher(block_size: int, algo: Literal["sha256", "sha256_cbor"], seed
     return SglangHasher(block_size)
 
 
-VLLM = EngineKind("vllm", BlockPool, True, encode_vllm_event, False, vllm_event_int, _vllm_hasher)
-SGLANG = EngineKind("sglang", RadixPool, False, encode_sglang_event, True, sglang_event_int, _sglang_hasher)
+VLLM = EngineKind("vllm", BlockPool, True, True, encode_vllm_event, False, vllm_event_int, _vllm_hasher)
+SGLANG = EngineKind("sglang", RadixPool, False, False, encode_sglang_event, True, sglang_event_int, _sglang_hasher)
 KINDS: dict[str, EngineKind] = {k.name: k for k in (VLLM, SGLANG)}
 
 

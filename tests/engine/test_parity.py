@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 from typing import Any
 
@@ -108,9 +109,10 @@ async def _events_and_cached(url: str, events: str, sequence: list[tuple[list[in
     return evs, got
 
 
-async def _sim(pair: Pair, algo: str, num_blocks: int | None, events_port: int) -> Any:
+async def _sim(pair: Pair, algo: str, num_blocks: int | None, events_port: int, speed: float = 100) -> Any:
     w = SimWorker(SimSettings(model_dir=str(pair.model), profile="cpu-tiny", block_size=128, num_blocks=num_blocks,
-                              hash_algo=algo, hash_seed="0", speed=100, kv_events_endpoint=f"tcp://127.0.0.1:{events_port}"))
+                              hash_algo=algo, hash_seed="0", speed=speed,
+                              kv_events_endpoint=f"tcp://127.0.0.1:{events_port}"))
     return await start_server(w.build_app())
 
 
@@ -156,3 +158,26 @@ async def test_cached_tokens_parity(pair: Pair) -> None:
     (_, real), (_, simulated) = await _real_and_sim(pair, pair.a, "sha256", None, sequence)
     assert simulated == real
     assert real[1] == 896 and real[4] == 0 and real[6] == 128
+
+
+async def test_a_request_sent_beside_another_hits_the_blocks_it_is_computing(pair: Pair) -> None:
+    # vLLM commits blocks to its prefix cache when it schedules their computation, so of two requests with
+    # one 2,048-token prefix sent at once the second reports the prefix cached. The simulator runs at the
+    # CPU's own speed here, so the second arrives while the first is still prefilling.
+    from kvgate.dev.engines import free_port
+
+    shared = prompts(4, 1, 2048)[0]
+    tails = prompts(5, 2, 34)
+
+    async def both(url: str) -> list[int]:
+        got = await asyncio.gather(*(complete(url, shared + t) for t in tails))
+        return sorted(cached(u) for u in got)
+
+    await reset_cache(pair.a.url)
+    real = await both(pair.a.url)
+    sim = await _sim(pair, "sha256", None, free_port(), speed=1.0)
+    try:
+        simulated = await both(sim.url)
+    finally:
+        await sim.stop()
+    assert real == simulated == [0, 2048]
