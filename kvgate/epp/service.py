@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from prometheus_client import Counter, Histogram
 
-from kvgate.epp.stream import EppStream, Unsupported
+from kvgate.epp.stream import EppStream, OutOfOrder, Unsupported
 from kvgate.grpc.gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from kvgate.grpc.gen.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as epgrpc
 
@@ -27,7 +27,8 @@ class EppMetrics:
                                   buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0))
         self.streams = Counter("kvgate_epp_streams", "Endpoint picker ext_proc streams by how they ended: "
                                "completed, aborted (ended before the response did), rejected (an immediate "
-                               "response), refused (an unsupported filter configuration), observability "
+                               "response), refused (an unsupported filter configuration, or a request "
+                               "phase after the end of the request), observability "
                                "(the filter runs in observability mode)", ["outcome"], registry=r)
 
 
@@ -52,6 +53,9 @@ class ExtProcService(epgrpc.ExternalProcessorServicer):
                 except Unsupported as exc:
                     outcome = "refused"
                     await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+                except OutOfOrder as exc:
+                    outcome = "refused"
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 for resp in out:
                     yield resp
                 if stream.done:

@@ -29,12 +29,12 @@ import json
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvgate import safejson
 from kvgate.epp import protocol as proto
 from kvgate.epp.endpoints import endpoint_of, outside
 from kvgate.errors import ApiError, BadRequest, PayloadTooLarge, ServiceUnavailable
 from kvgate.gateway.auth import Principal, require
 from kvgate.gateway.exchange import Endpoint, Exchange, Prepared
+from kvgate.gateway.prepare import parse_object
 from kvgate.gateway.relay import charge_completion
 from kvgate.gateway.sse import SseSplitter
 from kvgate.gateway.telemetry import STATUS_CLIENT_CLOSED
@@ -52,6 +52,12 @@ MAX_RESPONSE_BYTES = 64 << 20
 
 class Unsupported(Exception):
     """The filter is configured in a way the endpoint picker cannot serve (ends the stream)."""
+
+
+class OutOfOrder(Exception):
+    """A request phase after the request was decided (ends the stream). Envoy sends none; answering one
+    would prepare and route the request a second time, and the first pick's worker slot and admission
+    ticket would never be given back."""
 
 
 class EppStream:
@@ -88,6 +94,8 @@ class EppStream:
         if req.HasField("protocol_config"):
             self._modes(req.protocol_config)
         which = req.WhichOneof("request")
+        if which in ("request_headers", "request_body") and self.body_done:
+            raise OutOfOrder(f"{which} after the end of the request")
         if which == "request_headers":
             return await self._request_headers(req)
         if which == "request_body":
@@ -134,7 +142,8 @@ class EppStream:
         self.kind = PATHS.get(self.headers.get(":path", "").split("?", 1)[0]) if method == "POST" else None
         declared = self.headers.get("content-length", "")
         limit = self.gw.settings.max_body_bytes
-        if declared.isdigit() and int(declared) > limit:
+        length = proto.unsigned(declared)
+        if length is not None and length > limit:
             return self._error(PayloadTooLarge(f"Request body of {declared} bytes exceeds the limit of {limit} "
                                                "bytes.", code="request_too_large"))
         if h.end_of_stream or self.req_mode == 0:
@@ -164,9 +173,9 @@ class EppStream:
         try:
             principal = self._principal()
             if self.kind is None:
-                return self._forward(self._fallback(), bytes(self.body), changed=False)
+                return self._forward(await self._fallback(), bytes(self.body), changed=False)
             preparer = self.gw.proxy.preparer
-            self.prepared = p = await preparer.prepare_body(self._json(), self.headers, self.kind,
+            self.prepared = p = await preparer.prepare_body(await self._json(), self.headers, self.kind,
                                                             principal=principal, admit=preparer.admission is not None)
             endpoints = await self._route(p)
             return self._forward(endpoints, p.payload, changed=True)
@@ -195,14 +204,10 @@ class EppStream:
             m.remove_headers.extend(["authorization", "x-api-key"])
         return m
 
-    def _json(self) -> dict[str, Any]:
-        try:
-            body = safejson.loads(bytes(self.body), self.gw.settings.hostile.json_limits)
-        except safejson.JsonRejected as exc:
-            raise BadRequest(f"Request body is not acceptable JSON: {exc.reason}", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise BadRequest("Request body must be a JSON object.", code="invalid_json")
-        return body
+    async def _json(self) -> dict[str, Any]:
+        # As the HTTP front parses: a large body in a thread (up to max_body_bytes of messages is half a
+        # second of parsing that would otherwise hold every other stream and request up).
+        return await parse_object(bytes(self.body), self.gw.settings.hostile.json_limits)
 
     async def _route(self, p: Prepared) -> str:
         gw = self.gw
@@ -229,15 +234,15 @@ class EppStream:
         rest.sort(key=lambda w: (d.scores.get(w.id, float("inf")), w.in_flight, w.id))
         return [endpoint_of(self.gw.pool.get(w.id).config) for w in rest[:n]]
 
-    def _fallback(self) -> str:
+    async def _fallback(self) -> str:
         """A request kvgate does not route by its prefix (not a completion, or no body): the least loaded
         healthy worker Envoy allows, of the body's model when it names one kvgate serves."""
         model = None
         try:
-            body = safejson.loads(bytes(self.body), self.gw.settings.hostile.json_limits) if self.body else None
+            body = await parse_object(bytes(self.body), self.gw.settings.hostile.json_limits) if self.body else None
             if isinstance(body, dict) and isinstance(body.get("model"), str) and self.gw.pool.serves(body["model"]):
                 model = body["model"]
-        except (ValueError, RecursionError):
+        except BadRequest:  # not a JSON object: no model to prefer
             pass
         workers = [w for w in self.gw.pool.all() if w.healthy and (model is None or w.config.model == model)]
         barred = outside(self.subset, (w.config for w in workers))
@@ -277,8 +282,8 @@ class EppStream:
     # -- response ------------------------------------------------------------------------------
     def _response_headers(self, req: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
         h = proto.headers_of(req.response_headers.headers)
-        status = h.get(":status", "0")
-        self.status = int(status) if status.isdigit() else 0
+        status = proto.unsigned(h.get(":status", "0"))
+        self.status = status if status is not None and status < 1000 else 0  # HTTP statuses have three digits
         self.sse = "text/event-stream" in h.get("content-type", "")
         ex = self.ex
         extra: dict[str, str] = {}

@@ -23,6 +23,7 @@ import grpc
 
 from kvgate.errors import ApiError
 from kvgate.gateway.auth import Authenticator
+from kvgate.grpc.status import bounded
 
 READ = "read"
 """Reading state: conversations, workers, policy, routing explanations and the decision stream."""
@@ -96,7 +97,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         role = ROLES.get(method)
         if role is None or not authorize(principal, role):
             return _refusal(handler, grpc.StatusCode.PERMISSION_DENIED,
-                            f"{principal.name} may not call {method}" + ("" if role else " (no role defined)"))
+                            bounded(f"{principal.name} may not call {method}" + ("" if role else " (no role defined)")))
         return handler
 
 

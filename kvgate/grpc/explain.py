@@ -10,9 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 from kvgate import safejson
 from kvgate.epp.endpoints import endpoint_of, outside
-from kvgate.errors import BadRequest, PayloadTooLarge, ServiceUnavailable
+from kvgate.errors import PayloadTooLarge, ServiceUnavailable
 from kvgate.gateway.auth import Principal
 from kvgate.gateway.exchange import Endpoint, Prepared
+from kvgate.gateway.prepare import parse_object
 from kvgate.gateway.route import Plan
 from kvgate.grpc.gen.kvgate.v1 import routing_pb2 as pb
 from kvgate.router.cost import CostModel
@@ -22,18 +23,12 @@ if TYPE_CHECKING:
     from kvgate.gateway.app import Gateway
 
 
-def parse_body(text: str, limit: int, limits: safejson.JsonLimits = safejson.DEFAULT_LIMITS) -> dict[str, Any]:
+async def parse_body(text: str, limit: int, limits: safejson.JsonLimits = safejson.DEFAULT_LIMITS) -> dict[str, Any]:
     if len(text) > limit:
         raise PayloadTooLarge(f"Request body of {len(text)} bytes exceeds the limit of {limit} bytes.",
                               param="body_json", code="request_too_large")
-    try:
-        body = safejson.loads(text, limits)
-    except safejson.JsonRejected as exc:
-        raise BadRequest(f"body_json is not acceptable JSON: {exc.reason}", param="body_json",
-                         code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise BadRequest("body_json must be a JSON object.", param="body_json", code="invalid_json")
-    return body
+    # As the HTTP front parses: a large body in a thread, not on the loop the gateway's requests share.
+    return await parse_object(text.encode(), limits, what="body_json", param="body_json")
 
 
 def endpoint_name(e: pb.Endpoint.ValueType) -> Endpoint:
@@ -48,7 +43,7 @@ def decision_pb(gw: Gateway, d: Decision) -> pb.Decision:
 
 
 async def explain(gw: Gateway, req: pb.ExplainRequest) -> pb.ExplainResponse:
-    body = parse_body(req.body_json, gw.settings.max_body_bytes, gw.settings.hostile.json_limits)
+    body = await parse_body(req.body_json, gw.settings.max_body_bytes, gw.settings.hostile.json_limits)
     headers = {k.lower(): v for k, v in req.headers.items()}
     # Auth on, only an operator reaches here; it explains a request as the tenant its headers name, so
     # the request is identified and salted as that tenant's own would be.

@@ -32,6 +32,7 @@ from kvgate.grpc.gen.kvgate.v1 import conversations_pb2_grpc as cgrpc
 from kvgate.grpc.gen.kvgate.v1 import fleet_pb2_grpc as fgrpc
 from kvgate.grpc.gen.kvgate.v1 import policy_pb2_grpc as pgrpc
 from kvgate.grpc.gen.kvgate.v1 import routing_pb2_grpc as rgrpc
+from kvgate.grpc.malformed import MalformedGuard
 from kvgate.grpc.services import ConversationsService, FleetService, PolicyService, RoutingService
 
 if TYPE_CHECKING:
@@ -80,7 +81,8 @@ def _bind(server: grpc.aio.Server, host: str, port: int) -> int:
 
 
 async def _control(gw: Gateway, servers: GrpcServers, port: int) -> None:
-    server = grpc.aio.server(interceptors=[AuthInterceptor(gw.auth)], options=_options(gw))
+    # The auth hook first: a caller without credentials is refused whatever bytes it sent.
+    server = grpc.aio.server(interceptors=[AuthInterceptor(gw.auth), MalformedGuard()], options=_options(gw))
     bus = DecisionBus(lambda d: decision_pb(gw, d))
     gw.router.listeners.append(bus)
     rgrpc.add_RoutingServicer_to_server(RoutingService(gw, bus), server)
@@ -105,7 +107,7 @@ def ready(gw: Gateway) -> bool:
 
 
 async def _epp(gw: Gateway, servers: GrpcServers, port: int) -> None:
-    server = grpc.aio.server(options=_options(gw))
+    server = grpc.aio.server(interceptors=[MalformedGuard()], options=_options(gw))
     epgrpc.add_ExternalProcessorServicer_to_server(ExtProcService(gw), server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
