@@ -144,6 +144,8 @@ class EngineCore:
         self.running: list[SimRequest] = []
         self.stats = EngineStats()
         self._stats = (0, 0)
+        self._step_open = False
+        """A planned step has not finished: its events are not published yet."""
         self._by_id: dict[str, SimRequest] = {}
 
     # -- requests ------------------------------------------------------------------------------
@@ -187,7 +189,10 @@ class EngineCore:
         return bool(self.running or self.waiting or self.waiting_bg)
 
     def take_events(self) -> list[KVEvent]:
-        return self.pool.take_events()
+        """What the engine has published. vLLM publishes a step's KV events (blocks committed and evicted
+        when it was scheduled) after the step, with its outputs (``update_from_output``): while a
+        scheduled step runs, nothing."""
+        return [] if self._step_open else self.pool.take_events()
 
     # -- hashing -------------------------------------------------------------------------------
     def _ensure_hashes(self, req: SimRequest, n_blocks: int) -> None:
@@ -232,9 +237,26 @@ class EngineCore:
     def schedule(self) -> StepPlan:
         budget = self.profile.max_num_batched_tokens
         out: list[Scheduled] = []
-        load_ms = 0.0
         fg_prefill = self._foreground_prefilling()
-        # Running requests first, in admission order; preempt from the back (LIFO) when out of blocks.
+        budget = self._schedule_running(budget, out, fg_prefill)
+        load_ms = self._admit_waiting(budget, out, fg_prefill)
+        self._stats = (len(self.running), len(self.waiting) + len(self.waiting_bg))
+        self._step_open = bool(out)
+        chunks = []
+        dec_batch = 0
+        dec_ctx = 0
+        for s in out:
+            if s.num_new == 1 and s.request.generated > 0:
+                dec_batch += 1
+                dec_ctx += s.context + 1
+            else:
+                chunks.append((s.num_new, s.context))
+        # A tier load is synchronous here: the step that admits the request waits for its KV.
+        return StepPlan(tuple(out), self.profile.step_ms(chunks, dec_batch, dec_ctx) + load_ms)
+
+    def _schedule_running(self, budget: int, out: list[Scheduled], fg_prefill: bool) -> int:
+        """Running requests first, in admission order; preempt from the back (LIFO) when out of blocks.
+        Returns the token budget left."""
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -261,8 +283,12 @@ class EngineCore:
             self._committed_when_scheduled(req, req.num_computed + num_new)
             budget -= num_new
             i += 1
-        # Then admit waiting requests, FCFS, while there is budget, room and memory; background
-        # prefills only when no foreground request waits or prefills.
+        return budget
+
+    def _admit_waiting(self, budget: int, out: list[Scheduled], fg_prefill: bool) -> float:
+        """Then waiting requests, FCFS, while there is budget, room and memory; background prefills only
+        when no foreground request waits or prefills. Returns the ms the step waits for tier loads."""
+        load_ms = 0.0
         while budget > 0 and len(self.running) < self.profile.max_num_seqs:
             if self.waiting:
                 queue = self.waiting
@@ -277,8 +303,7 @@ class EngineCore:
             hit_tokens = len(hit) * self.block_size
             host = self.pool.host_hit(req.hashes, len(hit), max_hit_blocks)  # SGLang HiCache's host tier
             th = self._tier_hit(req, hit_tokens + host * self.block_size, max_hit_blocks)
-            ext = th.tokens
-            done = hit_tokens + host * self.block_size + ext
+            done = hit_tokens + host * self.block_size + th.tokens
             num_new = min(budget, req.known_len - done, self.background_chunk if req.background else budget)
             need = -(-(done + num_new) // self.block_size) - len(hit)
             # Hit blocks sitting in the free queue are not free for this request's allocation.
@@ -296,23 +321,7 @@ class EngineCore:
             req.blocks = hit + got
             req.num_cached_blocks = req.num_stored_blocks = len(hit) + host
             req.num_computed = done
-            if host:
-                # Loaded back from host memory before the prefill (SGLang's init_load_back).
-                ms = self.pool.load_back(req.hashes[len(hit) : len(hit) + host], got[:host])
-                self.stats.loaded_cpu_tokens += host * self.block_size
-                self.stats.load_ms += ms
-                load_ms += ms
-            if ext:
-                assert self.tiers is not None
-                self.tiers.retrieve(th.keys)
-                # Loaded blocks are full and join the prefix cache; LMCache does not store them again.
-                self._cache_full_blocks(req, store=False)
-                req.external_tokens += ext
-                self.stats.external_tokens += ext
-                self.stats.loaded_cpu_tokens += th.cpu_tokens
-                self.stats.loaded_remote_tokens += th.remote_tokens
-                self.stats.load_ms += th.ms
-                load_ms += th.ms
+            load_ms += self._load(req, hit, got, host, th)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = done
                 self.stats.prefix_cache_queries += req.known_len
@@ -322,18 +331,27 @@ class EngineCore:
             out.append(Scheduled(req, num_new, done))
             self._committed_when_scheduled(req, done + num_new)
             budget -= num_new
-        self._stats = (len(self.running), len(self.waiting) + len(self.waiting_bg))
-        chunks = []
-        dec_batch = 0
-        dec_ctx = 0
-        for s in out:
-            if s.num_new == 1 and s.request.generated > 0:
-                dec_batch += 1
-                dec_ctx += s.context + 1
-            else:
-                chunks.append((s.num_new, s.context))
-        # A tier load is synchronous here: the step that admits the request waits for its KV.
-        return StepPlan(tuple(out), self.profile.step_ms(chunks, dec_batch, dec_ctx) + load_ms)
+        return load_ms
+
+    def _load(self, req: SimRequest, hit: list[int], got: list[int], host: int, th: _TierHit) -> float:
+        """An admitted request's KV beyond its GPU hit, loaded before its prefill: from SGLang's host
+        memory (``init_load_back``) or LMCache's tiers. Returns the ms it takes."""
+        ms = 0.0
+        if host:
+            ms += self.pool.load_back(req.hashes[len(hit) : len(hit) + host], got[:host])
+            self.stats.loaded_cpu_tokens += host * self.block_size
+        if th.tokens:
+            assert self.tiers is not None
+            self.tiers.retrieve(th.keys)
+            # Loaded blocks are full and join the prefix cache; LMCache does not store them again.
+            self._cache_full_blocks(req, store=False)
+            req.external_tokens += th.tokens
+            self.stats.external_tokens += th.tokens
+            self.stats.loaded_cpu_tokens += th.cpu_tokens
+            self.stats.loaded_remote_tokens += th.remote_tokens
+            ms += th.ms
+        self.stats.load_ms += ms
+        return ms
 
     def _tier_hit(self, req: SimRequest, hit_tokens: int, max_hit_blocks: int) -> _TierHit:
         """Tokens beyond the GPU hit that LMCache's tiers hold (chunk-aligned), the load time, and the
@@ -390,6 +408,7 @@ class EngineCore:
             self.tiers.store([req.hashes[i] for i in range(per - 1, upto, per) if i >= a])
 
     def finish_step(self, plan: StepPlan, now: float) -> list[TokenOutput]:
+        self._step_open = False
         outs: list[TokenOutput] = []
         for s in plan.scheduled:
             req = s.request
