@@ -228,6 +228,11 @@ class LoopProbe:
         return sorted(self.latencies) or [0.0]
 
 
+def leftover(r: logging.LogRecord) -> bool:
+    """An earlier test's task collected during this one (asyncio logs it when the garbage collector
+    finds it): its loop is closed, so it is not this test's gateways."""
+    return r.name == "asyncio" and "Event loop is closed" in r.getMessage()
+
 
 def rss_mib() -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -357,7 +362,7 @@ async def test_grpc_fuzz(make_cluster: Any, tmp_path: Path, caplog: pytest.LogCa
           f"ms, p99 {loop_lat[len(loop_lat) * 99 // 100] * 1000:.1f} ms, max {loop_lat[-1] * 1000:.1f} ms")
     print(f"slowest: {[(round(t, 2), w) for t, w in slow[:5]]}; median {slow[len(slow) // 2][0] * 1000:.1f} ms")
     assert not tally.findings, f"{len(tally.findings)} distinct problems:\n" + "\n".join(tally.findings.values())
-    errors = [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    errors = [r for r in caplog.records if (r.levelno >= logging.ERROR or r.exc_info) and not leftover(r)]
     assert not errors, "\n".join(f"{r.name}: {r.getMessage()[:500]}" for r in errors[:10])
     assert not any("Traceback" in r.getMessage() for r in caplog.records)
     assert sum(tally.requests.values()) >= 1000 * min(SCALE, 1.0)
