@@ -12,6 +12,7 @@ import pytest
 
 from kvgate import serving
 from kvgate.config import GatewaySettings, WorkerConfig
+from kvgate.dev.engines import free_ports
 from kvgate.gateway.app import Gateway, create_app
 from kvgate.serving import ServerHandle, start_server
 from kvgate.sim.server import SimWorker
@@ -201,12 +202,3 @@ def spawn(tmp_path: Path) -> Iterator[Any]:
 def free_port() -> int:
     """A TCP port nothing listens on now, for a socket a test binds (or must find closed) later."""
     return serving.free_port()
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free ports (two draws before anything binds may agree)."""
-    out: list[int] = []
-    while len(out) < n:
-        if (port := free_port()) not in out:
-            out.append(port)
-    return out
