@@ -157,10 +157,16 @@ def kv(r: httpx.Response) -> int:
     return int(u["prompt_tokens"] + u["completion_tokens"])
 
 
+# A reservation lapses after deadline_factor x the predicted wait: with SHORT_WAITS, 2 s after it was made,
+# which a loaded machine spends on the three requests and admin reads before the assertions (a1's KV was
+# released and reserved_by("A") read 0). Waits predicted at 5 min keep every reservation past any test.
+LONG_WAITS = {"tool_priors_s": {"search": 300.0}, "reserve_max_s": 600.0}
+
+
 async def test_a_tenants_second_parked_wait_over_its_budget_is_released_on_every_replica(make_cluster: Any) -> None:
     # Two replicas on one Redis: the second learns of the first's reservation only through the fleet store.
     c = await make_cluster(2, events=True, replicas=2, session_store="redis", redis_url=REDIS,
-                           redis_prefix=f"kvgate-test:{uuid.uuid4().hex[:8]}:", waits=SHORT_WAITS,
+                           redis_prefix=f"kvgate-test:{uuid.uuid4().hex[:8]}:", waits=LONG_WAITS,
                            admission={"enabled": True, "defaults": {"max_parked_kv_tokens": 1000}})
     await ready(c)
     a1 = await tool_call(c.urls[0], "A", "a1", "agent " * 50)
