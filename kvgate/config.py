@@ -159,7 +159,12 @@ class GatewaySettings(YamlSettings):
     policy: PolicyName = "cost_model"
     affinity_epsilon: float = Field(0.25, ge=0.0, le=10.0)
     """Bounded load: a worker above (1+epsilon)·mean load takes no more sessions."""
-    conversation_headers: list[str] = Field(default_factory=lambda: ["x-conversation-id", "x-session-id"])
+    conversation_headers: list[str] = Field(default_factory=lambda: ["x-conversation-id"])
+    """kvgate's own headers that name the conversation, in order; ahead of every other key."""
+    harness_session_keys: bool = True
+    """Also take the conversation from the agent harnesses' session headers (Claude Code, Codex, OpenCode,
+    ``x-session-id``) and the bodies' ``session_id`` / ``prompt_cache_key`` / ``metadata.user_id``, with
+    sub-agents as conversations of their own (kvgate/gateway/identity.py, docs/protocols.md)."""
     tenant_header: str = "x-tenant-id"
     """Auth off only: with auth on, the tenant is the credential's and this header is ignored."""
     auth: AuthSettings = Field(default_factory=AuthSettings)

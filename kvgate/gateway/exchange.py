@@ -17,7 +17,7 @@ from kvgate.gateway.turns import Reply
 from kvgate.history.canonical import Canonical
 from kvgate.history.loss import PromptLoss
 from kvgate.history.protocols import ModelProtocol
-from kvgate.router.types import Decision
+from kvgate.router.types import Decision, WorkerId
 from kvgate.session.controller import Step
 from kvgate.session.conversation import Conversation
 
@@ -90,6 +90,8 @@ class Prepared:
     """The salt kvgate put in the body (auth on): the tiers are probed under it."""
     ticket: Ticket | None = None
     """Admission's quota lease and fleet slot (admission on): released when the request ends."""
+    parent_home: WorkerId | None = None
+    """A new sub-agent's parent conversation's worker: where the parent's shared prefix most likely is."""
 
 
 @dataclass(slots=True)

@@ -178,8 +178,12 @@ class Preparer:
         if ticket is not None and priority is not None:
             ticket.prompt(prompt.length)
             body = self._worker_priority(body, model, priority)
-        return self._finish(body, headers, endpoint, act, trace, principal, model, ident, conv, turn, prompt,
-                            salt, ticket)
+        prepared = self._finish(body, headers, endpoint, act, trace, principal, model, ident, conv, turn, prompt,
+                                salt, ticket)
+        if conv is None and ident.parent is not None:
+            parent = await self._load(ident.parent)
+            prepared.parent_home = parent.home if parent is not None and parent.tenant == ident.tenant else None
+        return prepared
 
     def _finish(self, body: dict[str, Any], headers: Mapping[str, str], endpoint: Endpoint, act: bool,
                 trace: RequestTrace, principal: Principal | None, model: str, ident: identity.Identity,
@@ -241,7 +245,7 @@ class Preparer:
                   ) -> identity.Identity:
         try:
             ident = identity.resolve(headers, body, self.settings.conversation_headers,
-                                     self.settings.tenant_header, tenant)
+                                     self.settings.tenant_header, tenant, harness=self.settings.harness_session_keys)
         except identity.BadIdentity as exc:
             raise BadRequest(str(exc), param=exc.param, code="invalid_conversation_id") from exc
         self.metrics.conversation_source.labels(ident.source.split(":")[0]).inc()

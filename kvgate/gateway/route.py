@@ -98,7 +98,7 @@ class Router:
     @staticmethod
     def route_request(p: Prepared, plan: Plan, tried: set[WorkerId]) -> RouteRequest:
         """What the policy reads of this request (the control API's Explain prices candidates with it)."""
-        home = p.conv.home if p.conv is not None else None
+        home = p.conv.home if p.conv is not None else p.parent_home
         return RouteRequest(model=p.model, conversation_id=p.ident.conversation_id, home_worker=home,
                             exclude=frozenset(tried), prompt_tokens=p.prompt.length, matched_blocks=plan.matched,
                             block_size=plan.block_size, cpu_tokens=plan.cpu, remote_tokens=plan.remote)
