@@ -32,7 +32,16 @@ unit-sglang: $(BIN)/.installed
 	KVGATE_TEST_SIM_ENGINE=sglang $(BIN)/pytest -q tests/test_gateway.py tests/test_gateway_precise.py \
 		tests/test_gateway_history.py tests/test_gateway_tiering.py
 
-test: lint typecheck unit unit-sglang
+# Every part runs even when one fails (a failed lint must not hide the suite's result); the exit code
+# and the last line say which failed. scripts/test-deps.sh first: Redis, Prometheus, dnsmasq.
+TEST_PARTS := lint typecheck unit unit-sglang
+test: $(BIN)/.installed
+	@./scripts/test-deps.sh
+	@failed=""; for part in $(TEST_PARTS); do \
+		echo "== make $$part"; $(MAKE) --no-print-directory $(foreach f,$(MAKEFILE_LIST),-f $(f)) $$part || failed="$$failed $$part"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "make test: FAILED:$$failed (of $(TEST_PARTS))" >&2; exit 1; fi; \
+	echo "make test: all passed ($(TEST_PARTS))"
 
 # deploy/constraints.txt: the runtime's exact dependency set (the image and tests/deploy/test_wheel.py
 # install it). Regenerate after changing the dependencies in pyproject.toml.
