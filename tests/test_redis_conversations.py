@@ -121,17 +121,25 @@ async def test_two_schema_versions_share_one_redis() -> None:
     await other.close()
 
 
-async def test_unreachable_or_corrupt_is_a_store_error() -> None:
+async def test_unreachable_is_a_store_error_and_corrupt_is_reset_by_the_next_write() -> None:
+    """Fails on a0afb21: a corrupt record was a StoreError on every read and write until it expired."""
     down = RedisConversationStore(f"redis://127.0.0.1:{free_port()}/0")
     with pytest.raises(StoreError):
         await down.get(ConversationId("x"))
     prefix = f"kvgate-test:{uuid.uuid4().hex[:8]}:"
     store = RedisConversationStore(URL, prefix=prefix)
     r = aioredis.from_url(URL)
+    cid = ConversationId("bad")
     await r.hset(f"{prefix}{{bad}}:h", mapping={"ver": "1", "data": b"\xc1garbage"})
-    with pytest.raises(StoreError):
-        await store.get(ConversationId("bad"))
-    await r.delete(f"{prefix}{{bad}}:h")
+    assert await store.get(cid) is None
+    peeked = await store.peek(cid)
+    assert peeked is not None and peeked.reset.startswith("not msgpack")
+    assert store.corruption.counts["conversation"] == 1  # read twice, counted once
+    healed = await store.update(cid, add_turn(cid, "w1"), known=None)
+    assert healed is not None and healed.turn_count == 1 and healed.version == 2 and healed.reset
+    fresh = await RedisConversationStore(URL, prefix=prefix).get(cid)
+    assert fresh == healed and fresh.reset == healed.reset  # type: ignore[union-attr]
+    await r.delete(f"{prefix}{{bad}}:h", f"{prefix}{{bad}}:b")
     await r.aclose()
     await store.close()
     await down.close()

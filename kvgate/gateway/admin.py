@@ -34,6 +34,7 @@ def conversation_view(c: Conversation) -> dict[str, Any]:
             "lifecycle": c.session.lifecycle.to_json(), "model": c.model, "history_messages": len(c.history),
             "exact_replies": len(c.exact), "chain_tokens": len(c.chain.tokens) if c.chain is not None else 0,
             "responses": list(c.responses), "version": c.version, "agent_metrics": agent_metrics(c),
+            "reset": c.reset or None,
             "turns": [{**to_map(t), "uncached_prefill_tokens": t.uncached_prefill_tokens,
                        "active_context_tokens": t.active_context_tokens} for t in c.turns]}
 
@@ -98,7 +99,10 @@ def admin_routes(gw: Gateway) -> APIRouter:
     async def tiers(request: Request) -> dict[str, Any]:
         """Tool-wait predictions, tier adapters' state, background prefill counters."""
         operator(request)
-        await gw.runtime.tick()  # observations published a moment ago count
+        try:
+            await gw.runtime.tick()  # observations published a moment ago count
+        except StoreError as exc:
+            log.warning("/admin/tiers without a fresh tick: %s", exc)  # the last tick's view is still an answer
         snap = gw.runtime.snapshot()
         reserved = {w.id: w.reserved for w in gw.pool.all() if w.reserved}
         return {**gw.tiers.snapshot(), "waits": snap["waits"], "reserved": reserved,

@@ -31,6 +31,7 @@ from kvgate.gateway import tracing
 from kvgate.gateway.telemetry import GatewayMetrics
 from kvgate.gateway.tracing import Tracing
 from kvgate.kvstore.conversations import ConversationStore, StoreError
+from kvgate.kvstore.corrupt import CorruptCollector
 from kvgate.kvstore.fleet import FleetStore, Timer
 from kvgate.router.cost import CostParams
 from kvgate.router.types import ConversationId, WorkerId
@@ -108,6 +109,7 @@ class SessionRuntime:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loop: asyncio.Task[None] | None = None
         self.ticks = 0
+        metrics.registry.register(CorruptCollector((store.corruption, fleet.corruption)))
 
     # -- commands ----------------------------------------------------------------------------------
     def spawn(self, aw: Awaitable[Any], name: str) -> asyncio.Task[Any]:
@@ -275,6 +277,10 @@ class SessionRuntime:
             except StoreError as exc:
                 self.metrics.session_store_errors.inc()
                 log.warning("session runtime tick: %s", exc)
+            except Exception:
+                # The loop is every replica's timers and reservations: whatever one tick met (a value in
+                # the shared store no version wrote), the next tick runs.
+                log.exception("session runtime tick failed")
             await asyncio.sleep(self.tick_s)
 
     def start(self) -> None:

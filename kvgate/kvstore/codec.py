@@ -33,7 +33,7 @@ SCHEMA = 1
 """Bumped when a field changes meaning (not when one is added: added fields are read by name)."""
 
 _HEAD = ("id", "tenant", "id_source", "version", "created", "last_activity", "home", "session", "residency",
-         "turns", "turn_count", "totals", "body_gen")
+         "turns", "turn_count", "totals", "body_gen", "reset")
 _BODY = ("model", "history", "tools", "exact", "responses")
 EXTRAS = "_extras"
 """Where a decoded map keeps the fields this version does not know (written back on encode)."""
@@ -92,6 +92,8 @@ def _decoder(tp: Any) -> Decoder:
     """A function that decodes a stored value of type ``tp``, built once per type: resolving annotations
     and inspecting types per value would cost more than the values (a record holds dozens of turns)."""
     origin, args = get_origin(tp), get_args(tp)
+    if hasattr(tp, "__supertype__"):  # a NewType (WorkerId): checked as what it wraps
+        return _decoder(tp.__supertype__)
     if origin in (typing.Union, types.UnionType):
         inner = _decoder(next(a for a in args if a is not type(None)))
         return lambda v: None if v is None else inner(v)
@@ -107,6 +109,8 @@ def _decoder(tp: Any) -> Decoder:
         return lambda v: tuple(f(x) for f, x in zip(items, _array(v), strict=True))
     if tp is float:
         return _float
+    if tp in (int, str, bool, bytes):
+        return functools.partial(_scalar, tp)
     return lambda v: v
 
 
@@ -138,8 +142,18 @@ def _array(v: Any) -> list[Any] | tuple[Any, ...]:
     return v
 
 
-def _float(v: Any) -> Any:
-    return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
+def _float(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise CodecError(f"expected a number, got {type(v).__name__}")
+    return float(v)
+
+
+def _scalar(tp: type, v: Any) -> Any:
+    # A value of the wrong type would be read back fine and fail later, far from the store (a str where
+    # the controller adds tokens): refused here, where the record can still be reset.
+    if not isinstance(v, tp) or (tp is int and isinstance(v, bool)):
+        raise CodecError(f"expected {tp.__name__}, got {type(v).__name__}")
+    return v
 
 
 # -- the record ------------------------------------------------------------------------------------
@@ -181,29 +195,44 @@ def _from_u32(raw: Any) -> array[int]:
 
 
 def decode(head: bytes, body: bytes | None) -> Conversation:
-    """A record from its head and (when given) its body; without a body the record has no history."""
+    """A record from its head and (when given) its body; without a body the record has no history.
+    Every field is checked for its type: a value that would fail later (in the controller, in a reply)
+    fails here, as a ``CodecError``."""
     try:
         return _decode(head, body)
     except CodecError:
         raise
-    except (TypeError, ValueError, AttributeError) as exc:
+    except (TypeError, ValueError, AttributeError, OverflowError, RecursionError, KeyError) as exc:
         raise CodecError(f"not a conversation record: {exc}") from exc
+
+
+def _get(m: Mapping[str, Any], key: str, tp: type[T] | tuple[type, ...], default: Any) -> Any:
+    v = m.get(key)
+    if v is None:
+        return default
+    if tp is float and isinstance(v, int) and not isinstance(v, bool):
+        return float(v)
+    if not isinstance(v, tp) or (tp is int and isinstance(v, bool)):
+        raise CodecError(f"{key}: expected {getattr(tp, '__name__', tp)}, got {type(v).__name__}")
+    return v
 
 
 def _decode(head: bytes, body: bytes | None) -> Conversation:
     h = _unpack(head)
     if not isinstance(h, dict) or not isinstance(h.get("id"), str):
         raise CodecError("a conversation head is a map with an id")
+    if not isinstance(h.get("schema", SCHEMA), int):
+        raise CodecError("schema: expected an int")
     extras: dict[str, dict[str, Any]] = {"head": {k: v for k, v in h.items() if k not in (*_HEAD, "schema")}}
     kw: dict[str, Any] = {
-        "id": ConversationId(h["id"]), "tenant": str(h.get("tenant") or ""), "id_source": str(h.get("id_source") or ""),
-        "version": int(h.get("version") or 0), "created": float(h.get("created") or 0.0),
-        "last_activity": float(h.get("last_activity") or 0.0), "home": h.get("home"),
+        "id": ConversationId(h["id"]), "tenant": _get(h, "tenant", str, ""), "id_source": _get(h, "id_source", str, ""),
+        "version": _get(h, "version", int, 0), "created": _get(h, "created", float, 0.0),
+        "last_activity": _get(h, "last_activity", float, 0.0), "home": _get(h, "home", str, None),
         "session": from_map(SessionState, h.get("session") or {}),
         "residency": from_map(Residency, h.get("residency") or {}),
-        "turns": tuple(from_map(TurnRecord, t) for t in h.get("turns") or ()),
-        "turn_count": int(h.get("turn_count") or 0), "totals": from_map(Totals, h.get("totals") or {}),
-        "body_gen": int(h.get("body_gen") or 0)}
+        "turns": tuple(from_map(TurnRecord, t) for t in _get(h, "turns", list, ())),
+        "turn_count": _get(h, "turn_count", int, 0), "totals": from_map(Totals, h.get("totals") or {}),
+        "body_gen": _get(h, "body_gen", int, 0), "reset": _get(h, "reset", str, "")}
     if body is not None:
         kw.update(_decode_body(body, extras))
     return Conversation(**kw, extras=extras)
@@ -216,14 +245,32 @@ def _decode_body(raw: bytes, extras: dict[str, dict[str, Any]]) -> dict[str, Any
     extras["body"] = {k: v for k, v in b.items() if k not in (*_BODY, "body_gen", "chain")}
     ch = b.get("chain")
     chain = None
-    if isinstance(ch, dict):
+    if ch is not None:
+        if not isinstance(ch, dict):
+            raise CodecError("chain: expected a map")
         engine = ch.get("engine")
-        chain = Chain(str(ch.get("text") or ""), _from_u32(ch.get("tokens", b"")),
+        chain = Chain(_get(ch, "text", str, ""), _from_u32(ch.get("tokens", b"")),
                       _from_u32(ch.get("anchor_chars", b"")), _from_u32(ch.get("anchor_tokens", b"")),
                       None if engine is None else _from_u32(engine))
-    return {"model": str(b.get("model") or ""), "history": tuple(b.get("history") or ()), "tools": b.get("tools"),
-            "exact": tuple(b.get("exact") or ()), "responses": tuple(str(r) for r in b.get("responses") or ()),
+        if (len(chain.anchor_chars) != len(chain.anchor_tokens) or max(chain.anchor_chars, default=0) > len(chain.text)
+                or max(chain.anchor_tokens, default=0) > len(chain.tokens)):
+            raise CodecError("chain: anchors that do not fit its text and tokens")
+    return {"model": _get(b, "model", str, ""), "history": _messages(b, "history"), "tools": b.get("tools"),
+            "exact": _messages(b, "exact"), "responses": tuple(_strings(_get(b, "responses", list, ()))),
             "chain": chain}
+
+
+def _messages(b: Mapping[str, Any], key: str) -> tuple[dict[str, Any], ...]:
+    msgs = _get(b, key, list, ())
+    if not all(isinstance(m, dict) and all(isinstance(k, str) for k in m) for m in msgs):
+        raise CodecError(f"{key}: expected maps of named fields")
+    return tuple(msgs)
+
+
+def _strings(items: list[Any]) -> list[str]:
+    if not all(isinstance(x, str) for x in items):
+        raise CodecError("expected strings")
+    return items
 
 
 def with_body(head: Conversation, body: Conversation) -> Conversation:

@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from kvgate.clock import Clock
+from kvgate.kvstore.corrupt import Corruption
 from kvgate.router.types import ConversationId
 from kvgate.session.conversation import Conversation
 
@@ -53,6 +54,11 @@ class ConversationStore(Protocol):
 
     async def close(self) -> None: ...
 
+    @property
+    def corruption(self) -> Corruption:
+        """The corrupt values this store found (none in memory: nobody else writes it)."""
+        ...
+
 
 class MemoryConversationStore:
     """One process's records, bounded by count and by bytes (least recently used first), with a TTL."""
@@ -66,6 +72,7 @@ class MemoryConversationStore:
         self._data: OrderedDict[ConversationId, tuple[Conversation, float, int]] = OrderedDict()
         self._bytes = 0
         self._responses: OrderedDict[str, ConversationId] = OrderedDict()
+        self.corruption = Corruption()
 
     def _live(self, cid: ConversationId) -> Conversation | None:
         item = self._data.get(cid)

@@ -21,6 +21,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvgate.kvstore.corrupt import Corruption
 from kvgate.router.types import ConversationId, WorkerId
 from kvgate.session.state import Observation
 
@@ -81,6 +82,11 @@ class FleetStore(Protocol):
 
     async def close(self) -> None: ...
 
+    @property
+    def corruption(self) -> Corruption:
+        """The corrupt values this store found (none in memory: nobody else writes it)."""
+        ...
+
 
 class MemoryFleet:
     """One replica's fleet state (single replica, tests, virtual-time drivers)."""
@@ -89,6 +95,7 @@ class MemoryFleet:
         self._timers: dict[tuple[ConversationId, str], tuple[float, int]] = {}
         self._heap: list[tuple[float, ConversationId, str]] = []
         self._obs: list[Observation] = []
+        self.corruption = Corruption()
         self._reserved: dict[WorkerId, dict[ConversationId, _Parked]] = defaultdict(dict)
         self._tenants: dict[str, dict[tuple[WorkerId, ConversationId], _Parked]] = defaultdict(dict)
         """The same reservations by tenant: a budget check reads only its tenant's."""

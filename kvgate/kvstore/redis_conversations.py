@@ -21,21 +21,29 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import OrderedDict
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from kvgate.kvstore.codec import CodecError, decode, encode_body, encode_head, with_body
 from kvgate.kvstore.conversations import UNREAD, StoreError, Updater
+from kvgate.kvstore.corrupt import Corruption
 from kvgate.router.types import ConversationId
 from kvgate.session.conversation import Conversation
 
 _CAS = """
-local v = redis.call('HGET', KEYS[1], 'ver')
-if (v or '0') ~= ARGV[1] then return 0 end
+local t = redis.call('TYPE', KEYS[1])['ok']
+local v = '0'
+if t == 'hash' then
+  v = redis.call('HGET', KEYS[1], 'ver') or '0'
+elseif t ~= 'none' then
+  v = 'type:' .. t
+end
+if v ~= ARGV[1] then return 0 end
+if ARGV[6] == '1' then redis.call('DEL', KEYS[1], KEYS[2]) end
 redis.call('HSET', KEYS[1], 'ver', ARGV[2], 'data', ARGV[3])
 redis.call('PEXPIRE', KEYS[1], ARGV[5])
 if ARGV[4] ~= '' then
@@ -45,6 +53,10 @@ else
 end
 return 1
 """
+"""The compare-and-set. ``ARGV[1]`` is ``ver`` as the writer read it — the raw bytes, or ``type:<t>``
+when the key held another Redis type — so a writer replacing a corrupt record replaces only the value
+it found corrupt; ``ARGV[6]`` = 1 then clears both keys first (stray hash fields, a body of the wrong
+type)."""
 
 Client = aioredis.Redis | RedisCluster
 
@@ -55,6 +67,35 @@ def connect(url: str, cluster: bool, timeout_s: float) -> Client:
     if cluster:
         return RedisCluster.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
     return aioredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+
+
+class WrongType(StoreError):
+    """A key kvgate owns holds another Redis type (WRONGTYPE): corrupt, not unavailable."""
+
+
+def is_wrong_type(exc: BaseException) -> bool:
+    return isinstance(exc, ResponseError) and str(exc).startswith("WRONGTYPE")
+
+
+@dataclass(frozen=True, slots=True)
+class _Read:
+    token: bytes
+    """``ver`` as stored (the compare-and-set's expected value): ``b"0"`` when there is no record."""
+    conv: Conversation | None
+    corrupt: str = ""
+    """Why the stored record cannot be read; ``conv`` is then None and the next write replaces it."""
+
+    @property
+    def version(self) -> int:
+        return _version(self.token) or 0
+
+
+def _version(raw: bytes | None) -> int | None:
+    try:
+        v = int(raw or b"0")
+    except ValueError:
+        return None
+    return v if v >= 0 else None
 
 
 class RedisConversationStore:
@@ -69,6 +110,7 @@ class RedisConversationStore:
         self._bodies: OrderedDict[ConversationId, Conversation] = OrderedDict()
         """The last record this replica read or wrote with its body, by conversation (LRU): its body is
         reused while the body generation in Redis is the same."""
+        self.corruption = Corruption()
         self.round_trips = 0
         self.bytes_read = 0
         self.bytes_written = 0
@@ -82,9 +124,11 @@ class RedisConversationStore:
         try:
             return await aw
         except RedisError as exc:
+            if is_wrong_type(exc):
+                raise WrongType(str(exc)) from exc
             raise StoreError(f"conversation store unavailable: {exc!r}") from exc
 
-    async def _read(self, cid: ConversationId, refresh: bool) -> tuple[int, Conversation] | None:
+    async def _read(self, cid: ConversationId, refresh: bool) -> _Read:
         head_key, body_key = self._keys(cid)
         cached = self._bodies.get(cid)
         async with self._r.pipeline(transaction=False) as p:
@@ -94,27 +138,46 @@ class RedisConversationStore:
             if refresh:
                 p.pexpire(head_key, self._ttl_ms)
                 p.pexpire(body_key, self._ttl_ms)
-            res = await self._call(p.execute())
+            res = await self._call(p.execute(raise_on_error=False))
+        for r in res:
+            if isinstance(r, Exception) and not is_wrong_type(r):
+                raise StoreError(f"conversation store unavailable: {r!r}")
+        if isinstance(res[0], Exception):
+            kind = await self._call(self._r.type(head_key))
+            return self._corrupt(cid, b"type:" + (kind if isinstance(kind, bytes) else str(kind).encode()),
+                                 "the head key holds another Redis type")
         ver, head = res[0]
         if head is None:
             self._bodies.pop(cid, None)
-            return None
+            return _Read(b"0", None) if ver is None else self._corrupt(cid, ver, "a head without data")
+        if _version(ver) is None:
+            return self._corrupt(cid, ver, "its version is not a number")
         try:
             conv = decode(head, None)
+            if conv.id != cid:
+                raise CodecError(f"the record of another conversation ({conv.id[:100]!r})")
+            conv = replace(conv, version=_version(ver) or 0)
             self.bytes_read += len(head)
             if cached is not None and cached.body_gen == conv.body_gen:
                 # Decoded once: the chain keeps the block hashes this replica already computed.
-                return int(ver or 0), with_body(conv, cached)
+                return _Read(ver or b"0", with_body(conv, cached))
             body = res[1] if cached is None else await self._call(self._r.get(body_key))
+            if isinstance(body, Exception):
+                raise CodecError("the body key holds another Redis type")
             if body is None:
-                return int(ver or 0), conv
+                return _Read(ver or b"0", conv)
             self.bytes_read += len(body)
-            full = decode(head, body)
+            full = replace(decode(head, body), version=conv.version)
             self._remember(full)
-            return int(ver or 0), full
-        except CodecError as exc:
+            return _Read(ver or b"0", full)
+        except (CodecError, WrongType) as exc:
             # A corrupt value, or one this version cannot read at all (a newer one is read by name).
-            raise StoreError(f"conversation {cid}: unreadable record ({exc})") from exc
+            return self._corrupt(cid, ver or b"0", str(exc))
+
+    def _corrupt(self, cid: ConversationId, token: bytes, reason: str) -> _Read:
+        self._bodies.pop(cid, None)
+        self.corruption.found("conversation", cid, reason)
+        return _Read(token, None, reason)
 
     def _remember(self, conv: Conversation) -> None:
         self._bodies[conv.id] = conv
@@ -123,12 +186,14 @@ class RedisConversationStore:
             self._bodies.popitem(last=False)
 
     async def get(self, cid: ConversationId) -> Conversation | None:
-        got = await self._read(cid, refresh=True)
-        return None if got is None else got[1]
+        """The record; None when there is none or it is corrupt (the request is then served as a new
+        conversation's, and its turn writes a fresh record in place of the corrupt one)."""
+        return (await self._read(cid, refresh=True)).conv
 
     async def peek(self, cid: ConversationId) -> Conversation | None:
+        """As ``get``, but a corrupt record is shown as an empty one that says why it will be reset."""
         got = await self._read(cid, refresh=False)
-        return None if got is None else got[1]
+        return Conversation(cid, reset=got.corrupt) if got.corrupt else got.conv
 
     async def update(self, cid: ConversationId, fn: Updater, known: Conversation | None = UNREAD
                      ) -> Conversation | None:
@@ -139,19 +204,19 @@ class RedisConversationStore:
                 # conversation do not all collide again on the next try.
                 await asyncio.sleep(random.uniform(0, 0.001 * 2 ** min(attempt, 6)))
             if attempt == 0 and known is not UNREAD:
-                cur = known
-                ver = cur.version if cur is not None else 0
+                got = _Read(str(known.version if known is not None else 0).encode(), known)
             else:
                 got = await self._read(cid, refresh=False)
-                ver, cur = got if got is not None else (0, None)
+            cur = got.conv
             new = fn(cur)
             if new is None:
                 return cur
-            new = replace(new, version=ver + 1)
+            ver = got.version
+            new = replace(new, version=ver + 1, reset=got.corrupt or new.reset)
             head = encode_head(new)
             body = encode_body(new) if cur is None or new.body_gen != cur.body_gen else b""
-            ok = await self._call(self._cas(keys=[head_key, body_key],
-                                            args=[str(ver), str(ver + 1), head, body, self._ttl_ms]))
+            ok = await self._call(self._cas(keys=[head_key, body_key], args=[
+                got.token, str(ver + 1), head, body, self._ttl_ms, "1" if got.corrupt else "0"]))
             if ok == 1:
                 self.bytes_written += len(head) + len(body)
                 self._remember(new)
@@ -174,8 +239,17 @@ class RedisConversationStore:
         return bool(await self._call(self._r.delete(head_key, body_key)))
 
     async def conversation_of(self, response_id: str) -> ConversationId | None:
-        cid = await self._call(self._r.get(f"{self._prefix}r:{response_id}"))
-        return None if cid is None else ConversationId(cid.decode() if isinstance(cid, bytes) else str(cid))
+        key = f"{self._prefix}r:{response_id}"
+        try:
+            cid = await self._call(self._r.get(key))
+            if cid is None:
+                return None
+            return ConversationId(cid.decode() if isinstance(cid, bytes) else str(cid))
+        except (WrongType, UnicodeDecodeError) as exc:
+            # Not a conversation id: the response is unknown, and the key goes (it would never heal).
+            self.corruption.found("response_id", key, str(exc))
+            await self._call(self._r.delete(key))
+            return None
 
     def stats(self) -> dict[str, int]:
         return {"cached_bodies": len(self._bodies), "round_trips": self.round_trips, "bytes_read": self.bytes_read,

@@ -159,6 +159,9 @@ class Conversation:
     body_gen: int = 0
     """Bumped whenever model, history, tools, chain, exact or responses change: a replica that already
     holds this generation of them need not read them again."""
+    reset: str = ""
+    """Why the store replaced what it held of this conversation with a fresh record (it was corrupt);
+    empty for a record that was never reset."""
     extras: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, compare=False)
     """Fields written by a newer kvgate that this one does not know, kept to be written back."""
 
