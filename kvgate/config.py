@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Annotated, ClassVar, Literal
 from urllib.parse import urlparse
 
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -33,6 +33,10 @@ PolicyName = Literal["round_robin", "least_loaded", "session_affinity", "cost_mo
 class WorkerTemplate(BaseModel):
     """What kvgate is told of a worker beyond its address: a static worker's settings, or those discovery
     gives every worker it finds."""
+
+    # Unknown keys anywhere stop start-up: a typo (`kv_event:`) would otherwise run the worker silently
+    # without the setting it meant.
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = Field(None, min_length=1)
     engine: EngineKind = "vllm"
@@ -84,6 +88,8 @@ class WorkerConfig(WorkerTemplate):
 class DnsDiscovery(BaseModel):
     """Workers behind a DNS name, re-resolved every ``interval_s`` (a Kubernetes headless Service)."""
 
+    model_config = ConfigDict(extra="forbid")
+
     kind: Literal["dns"] = "dns"
     name: str = Field(min_length=1)
     """``vllm.ns.svc.cluster.local`` for its A/AAAA records, ``_http._tcp.vllm.ns.svc.cluster.local`` for SRV."""
@@ -108,6 +114,8 @@ class KubernetesDiscovery(BaseModel):
     """Workers from the Kubernetes API: EndpointSlices (or Pods) by label selector, watched, relisted every
     ``resync_s``. Readiness comes from the API; ports by name; pod annotations ``kvgate.io/model``,
     ``kvgate.io/engine``, ``kvgate.io/kv-events``, ``kvgate.io/kv-replay`` override the template (Pods)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     kind: Literal["kubernetes"] = "kubernetes"
     resource: Literal["endpointslices", "pods"] = "endpointslices"
@@ -341,6 +349,7 @@ def format_validation_error(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"]) or "(settings)"
-        lines.append(f"  {loc}: {err['msg']}" + (f" (got {err['input']!r})" if "input" in err and
-                                                   not isinstance(err["input"], dict) else ""))
+        # A misspelt key's value may be the secret it was meant to carry: not echoed.
+        shown = "input" in err and not isinstance(err["input"], dict) and err["type"] != "extra_forbidden"
+        lines.append(f"  {loc}: {err['msg']}" + (f" (got {err['input']!r})" if shown else ""))
     return "invalid configuration:\n" + "\n".join(lines)

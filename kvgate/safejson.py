@@ -15,11 +15,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class JsonLimits(BaseModel):
     """Limits on untrusted JSON (``hostile.json`` in the settings)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     max_depth: int = Field(64, ge=2, le=512)
     """Nesting of arrays and objects; OpenAI requests need under 10, tool schemas rarely 20."""

@@ -54,3 +54,43 @@ def test_sim_profile_validated(clean_env: pytest.MonkeyPatch) -> None:
     clean_env.setenv("KVGATE_SIM_PROFILE", "b200")
     with pytest.raises(ValidationError, match="unknown profile"):
         SimSettings()
+
+
+def _models(t: object, seen: dict[type, object]) -> dict[type, object]:
+    import typing
+
+    from pydantic import BaseModel
+
+    for arg in typing.get_args(t):
+        _models(arg, seen)
+    if isinstance(t, type) and issubclass(t, BaseModel) and t not in seen:
+        seen[t] = t.model_config.get("extra")
+        for f in t.model_fields.values():
+            _models(f.annotation, seen)
+    return seen
+
+
+@pytest.mark.parametrize("root", [GatewaySettings, SimSettings])
+def test_every_nested_settings_model_forbids_unknown_keys(root: type) -> None:
+    # A model added later without extra="forbid" would silently drop a misspelt key again.
+    models = _models(root, {})
+    assert len(models) > (10 if root is GatewaySettings else 0)
+    assert {m.__name__: extra for m, extra in models.items() if extra != "forbid"} == {}
+
+
+@pytest.mark.parametrize(("yaml_text", "loc"), [
+    ("workers:\n  - {url: 'http://a:1', model: m, kv_event: auto}\n", "workers.0.kv_event"),
+    ("discovery: {kind: dns, name: x, worker: {model: m, blocksize: 16}}\n", "discovery.dns.worker.blocksize"),
+    ("auth: {mode: 'off', jwt: {issuer: x, audiance: y}}\n", "auth.jwt.audiance"),
+    ("admission: {enabled: true, defaults: {max_concurent: 1}}\n", "admission.defaults.max_concurent"),
+    ("hostile: {json_limits: {max_dept: 3}}\n", "hostile.json_limits.max_dept"),
+])
+def test_an_unknown_key_inside_a_section_is_refused_by_its_path(clean_env: pytest.MonkeyPatch, tmp_path: Path,
+                                                                yaml_text: str, loc: str) -> None:
+    f = tmp_path / "kvgate.yaml"
+    f.write_text(yaml_text)
+    clean_env.setenv("KVGATE_CONFIG", str(f))
+    with pytest.raises(ValidationError) as ei:
+        GatewaySettings()
+    # The value is not echoed: a misspelt `cache_salt_secrte:` would print the secret.
+    assert f"  {loc}: Extra inputs are not permitted" in format_validation_error(ei.value).splitlines()

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 Priority = Literal["interactive", "batch"]
 
 
 class TenantLimits(BaseModel):
     """One tenant's limits; None: unlimited. In ``tenants`` only the fields given replace the defaults."""
+
+    model_config = ConfigDict(extra="forbid")
 
     max_concurrent: int | None = Field(None, ge=1)
     """Requests of the tenant admitted and not finished (queued or running), on all replicas together."""
@@ -32,6 +34,8 @@ class TenantLimits(BaseModel):
 
 
 class AdmissionSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     enabled: bool = False
     """Off: no limits, no queue (behaviour before issue 11 part 3)."""
     defaults: TenantLimits = Field(default_factory=TenantLimits)

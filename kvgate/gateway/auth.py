@@ -28,7 +28,7 @@ from typing import Any, Literal
 import httpx
 import jwt
 import yaml
-from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from kvgate.errors import ApiError
 
@@ -40,6 +40,8 @@ Role = Literal["tenant", "operator", "none"]
 class ApiKey(BaseModel):
     """One API key, by its hash: ``sha256`` of the key's UTF-8 bytes, hex (``printf %s KEY | sha256sum``)."""
 
+    model_config = ConfigDict(extra="forbid")
+
     sha256: str = Field(pattern=r"^[0-9a-fA-F]{64}$")
     tenant: str = Field("", pattern=r"^[A-Za-z0-9._:@+=-]{0,256}$")
     role: Role = "tenant"
@@ -48,6 +50,8 @@ class ApiKey(BaseModel):
 
 
 class JwtSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     issuer: str | None = None
     """Required ``iss``; None accepts any (not advisable)."""
     audience: str | None = None
@@ -74,6 +78,8 @@ class JwtSettings(BaseModel):
 
 class AuthSettings(BaseModel):
     """``auth:`` in the gateway settings (env: ``KVGATE_AUTH__MODE``, ...)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     mode: Literal["off", "api_key", "jwt", "both"] = "off"
     """off: today's behaviour (no credentials, tenant from the tenant header, admin open)."""
