@@ -173,6 +173,9 @@ class GatewaySettings(YamlSettings):
     """Also take the conversation from the agent harnesses' session headers (Claude Code, Codex, OpenCode,
     ``x-session-id``) and the bodies' ``session_id`` / ``prompt_cache_key`` / ``metadata.user_id``, with
     sub-agents as conversations of their own (kvgate/gateway/identity.py, docs/protocols.md)."""
+    regroup_derived: bool = True
+    """Clients that send no key: find their conversation again after a compaction or rewind by the messages
+    it kept (session/regroup.py, docs/protocols.md), instead of starting a new one under a new derived key."""
     tenant_header: str = "x-tenant-id"
     """Auth off only: with auth on, the tenant is the credential's and this header is ignored."""
     auth: AuthSettings = Field(default_factory=AuthSettings)

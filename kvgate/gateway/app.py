@@ -56,6 +56,7 @@ from kvgate.gateway.workers import PoolCollector, WorkerPool
 from kvgate.grpc.server import start_grpc
 from kvgate.kvstore.conversations import ConversationStore, MemoryConversationStore
 from kvgate.kvstore.fleet import FleetStore, MemoryFleet
+from kvgate.kvstore.grouping import GroupingIndex, MemoryGroupingIndex, RedisGroupingIndex
 from kvgate.kvstore.redis_conversations import RedisConversationStore
 from kvgate.kvstore.redis_fleet import RedisFleet
 from kvgate.router.cost import CostModel
@@ -86,6 +87,16 @@ def make_stores(settings: GatewaySettings, clock: Clock) -> tuple[ConversationSt
                 RedisFleet(settings.redis_url, settings.redis_prefix, cluster=settings.redis_cluster))
     return (MemoryConversationStore(clock, settings.session_ttl_s, settings.max_sessions, settings.max_store_bytes),
             MemoryFleet())
+
+
+def make_grouping(settings: GatewaySettings) -> GroupingIndex | None:
+    """Where keyless conversations are found again after a compaction (session/regroup.py)."""
+    if not settings.regroup_derived:
+        return None
+    if settings.session_store == "redis":
+        return RedisGroupingIndex(settings.redis_url, settings.session_ttl_s, settings.redis_prefix,
+                                  cluster=settings.redis_cluster)
+    return MemoryGroupingIndex(settings.max_store_bytes // 16)
 
 
 def make_admission(settings: GatewaySettings, pool: WorkerPool) -> Admission | None:
@@ -152,7 +163,8 @@ class Gateway:
                                       wall, tick_s=settings.timer_tick_s, lease_s=settings.timer_lease_s,
                                       tracing=self.tracing, budgets=budgets)
         self.policy_target = GatewayPolicy(self.cost, self.runtime)
-        self.recorder = recorder = Recorder(self.runtime, self.turns, self.tiers, m, self.policy.name)
+        self.grouping = make_grouping(settings)
+        self.recorder = recorder = Recorder(self.runtime, self.turns, self.tiers, m, self.policy.name, self.grouping)
         self.requests = RequestLog(settings.request_log, settings.request_log_max_bytes, settings.request_log_backups,
                                    bytes.fromhex(settings.request_log_key) if settings.request_log_key else None)
         self.router = router = Router(self.pool, self.policy, self.prefix, self.tiers, self.clock, m)
@@ -164,7 +176,7 @@ class Gateway:
         if self.admission is not None:
             m.registry.register(AdmissionCollector(self.admission))
         self.proxy = Proxy(Preparer(settings, self.pool, self.turns, self.prompts, self.runtime, m, router.holder,
-                                    self.prompt_limits, self.admission),
+                                    self.prompt_limits, self.admission, self.grouping),
                            sender, m, self.tracing, self.auth)
         m.registry.register(PrefixCollector(
             self.prefix.events.stats, {"precise": self.prefix.index, "approximate": self.prefix.approx.index},
@@ -233,6 +245,8 @@ class Gateway:
         await self.client.aclose()
         await self.store.close()
         await self.fleet.close()
+        if self.grouping is not None:
+            await self.grouping.close()
         self.tracing.shutdown()
 
     def refresh_gauges(self) -> None:

@@ -39,6 +39,8 @@ class Identity:
     tenant: str
     parent: ConversationId | None = None
     """The conversation this one was spawned from (a sub-agent's parent), tenant-scoped like the id."""
+    alias: ConversationId | None = None
+    """Regrouped: the derived key the request came with (its first messages changed by a compaction)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,8 +34,10 @@ from kvgate.gateway.turns import TurnService
 from kvgate.gateway.workers import WorkerPool
 from kvgate.history.continuation import HistoryConflict, UnknownResponse
 from kvgate.kvstore.conversations import StoreError
+from kvgate.kvstore.grouping import GroupingIndex
 from kvgate.router.types import ConversationId
 from kvgate.safejson import DEFAULT_LIMITS, JsonLimits
+from kvgate.session import regroup
 from kvgate.session.conversation import Conversation
 
 log = logging.getLogger(__name__)
@@ -94,8 +96,11 @@ VALIDATE_INLINE_MESSAGES = 512
 class Preparer:
     def __init__(self, settings: GatewaySettings, pool: WorkerPool, turns: TurnService, prompts: PromptBuilder,
                  runtime: SessionRuntime, metrics: GatewayMetrics, held_for: Callable[[str], Held] | None = None,
-                 limits: PromptLimits | None = None, admission: Admission | None = None) -> None:
+                 limits: PromptLimits | None = None, admission: Admission | None = None,
+                 grouping: GroupingIndex | None = None) -> None:
         self.settings = settings
+        self.grouping = grouping
+        """Keyless conversations found again after a compaction (session/regroup.py); None: off."""
         self.admission = admission
         """Admission on: the proxy's requests are admitted here, once the tenant and the prompt's tokens
         are known and before anything is written for them."""
@@ -255,7 +260,10 @@ class Preparer:
                             ) -> tuple[Conversation | None, identity.Identity, dict[str, Any]]:
         rid = body.get("previous_response_id") if endpoint == "chat" else None
         if not rid:
-            return await self._load(ident.conversation_id), ident, body
+            conv = await self._load(ident.conversation_id)
+            if conv is None and ident.source == "derived" and self.grouping is not None and endpoint == "chat":
+                conv, ident = await self._regroup(ident, body["messages"])
+            return conv, ident, body
         # Stateful continuation: the client sends only what is new; kvgate holds the rest.
         try:
             cid = await self.runtime.store.conversation_of(rid)
@@ -271,6 +279,19 @@ class Preparer:
             raise NotFound(f"response `{rid}` cannot be looked up now ({exc})", param="previous_response_id",
                            code="response_not_found") from exc
         return conv, identity.Identity(conv.id, "previous_response_id", ident.tenant), {**body, "messages": full}
+
+    async def _regroup(self, ident: identity.Identity, messages: list[Any]
+                       ) -> tuple[Conversation | None, identity.Identity]:
+        """A keyless request whose derived key names no conversation: the one its messages were filed under,
+        if one leads (it compacted or rewound), else a new conversation under the derived key."""
+        assert self.grouping is not None
+        digests = regroup.lookup_digests(messages, ident.conversation_id)
+        cid = regroup.vote(await self.grouping.lookup(ident.tenant, digests))
+        conv = await self._load(cid) if cid is not None else None
+        if conv is None or conv.tenant != ident.tenant:
+            return None, ident
+        self.metrics.regrouped.inc()
+        return conv, identity.Identity(conv.id, "regrouped", ident.tenant, alias=ident.conversation_id)
 
     async def _load(self, cid: ConversationId) -> Conversation | None:
         try:

@@ -23,6 +23,8 @@ from kvgate.gateway.tierview import TierView
 from kvgate.gateway.turns import TurnService
 from kvgate.history.loss import explain_cache
 from kvgate.kvstore.conversations import StoreError
+from kvgate.kvstore.grouping import GroupingIndex
+from kvgate.session import regroup
 from kvgate.session.controller import Command
 from kvgate.session.conversation import Chain, Conversation, TurnRecord
 
@@ -40,7 +42,9 @@ class _Loss:
 
 class Recorder:
     def __init__(self, runtime: SessionRuntime, turns: TurnService, tiers: TierView, metrics: GatewayMetrics,
-                 policy_name: str) -> None:
+                 policy_name: str, grouping: GroupingIndex | None = None) -> None:
+        self.grouping = grouping
+        """Keyless conversations: each turn files its newest messages' digests (session/regroup.py)."""
         self.runtime = runtime
         self.turns = turns
         self.tiers = tiers
@@ -82,6 +86,15 @@ class Recorder:
             return
         await self.runtime.execute(p.ident.conversation_id, conv, commands)
         p.trace.recorded(turn)
+        await self._file(ex)
+
+    async def _file(self, ex: Exchange) -> None:
+        p = ex.prepared
+        if self.grouping is None or p.turn is None or p.ident.source not in ("derived", "regrouped"):
+            return
+        reply = ex.reply.message() if ex.reply.complete else None
+        digests = regroup.index_digests(p.turn.canonical.messages, reply, p.ident.alias)
+        await self.grouping.add(p.ident.tenant, digests, p.ident.conversation_id)
 
     def _figures(self, ex: Exchange, loss: _Loss) -> dict[str, Any]:
         """The turn's figures for agents that the record keeps beside the usage (docs/operations.md)."""

@@ -187,6 +187,9 @@ class GatewayMetrics:
         self.conversation_source = Counter("kvgate_conversation_id_source",
                                            "How each request's conversation was identified.", ["source"],
                                            registry=r)
+        self.regrouped = Counter("kvgate_conversations_regrouped",
+                                 "Keyless requests whose derived key named no conversation, found in the one their "
+                                 "messages were filed under (a compaction or rewind).", registry=r)
         self.prompt_tokens = Counter("kvgate_prompt_tokens", "Prompt tokens reported by workers.", ["worker"],
                                      registry=r)
         self.cached_tokens = Counter("kvgate_cached_tokens", "Prompt tokens served from the prefix cache.",
