@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from pydantic import ValidationError
 
@@ -32,6 +32,27 @@ def _settings_or_exit(factory: Any, **kw: Any) -> Any:
     except FileNotFoundError as exc:
         print(f"invalid configuration: {exc}", file=sys.stderr)
     raise SystemExit(2)
+
+
+def _cannot_listen(cmd: str, host: str, port: int, exc: OSError) -> NoReturn:
+    # One line and exit 2, as a bad setting gets: a port in use is a configuration problem, not a crash
+    # (uvicorn logs "[Errno 98] ... address already in use" and exits 1; the traceback told no more).
+    print(f"kvgate {cmd}: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _check_free(cmd: str, host: str, port: int | None) -> None:
+    """The gRPC and ext_proc ports bind inside the app's start-up, where a port in use ends in uvicorn's
+    lifespan traceback: tried here first, so it gets the HTTP port's one line."""
+    import socket
+
+    if not port:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            _cannot_listen(cmd, host, port, exc)
 
 
 def _parse_worker(spec: str) -> dict[str, str]:
@@ -61,14 +82,19 @@ async def _serve(args: argparse.Namespace) -> None:
             "no workers configured: every completion will get 503 no_healthy_worker until one is named "
             "(--worker URL=MODEL[@ENGINE], KVGATE_WORKERS='[{\"url\": ..., \"model\": ...}]' or workers: in "
             "the KVGATE_CONFIG file)")
+    for extra_port in (settings.grpc_port, settings.epp_port):
+        _check_free(args.cmd, settings.host, extra_port)
     app = create_app(settings)
     gw = app.state.gateway
 
     def drain() -> None:
         gw.draining = True
 
-    handle = await start_server(app, settings.host, settings.port, graceful_timeout_s=settings.drain_timeout_s,
-                                on_drain=drain, install_signal_handlers=True)
+    try:
+        handle = await start_server(app, settings.host, settings.port, graceful_timeout_s=settings.drain_timeout_s,
+                                    on_drain=drain, install_signal_handlers=True)
+    except OSError as exc:
+        _cannot_listen(args.cmd, settings.host, settings.port, exc)
     freeze_startup_heap()
     logging.getLogger("kvgate").info("gateway on %s with %d workers", handle.url, len(settings.workers))
     grpc = app.state.grpc
@@ -91,7 +117,10 @@ async def _sim(args: argparse.Namespace) -> None:
                                  hash_algo=args.hash_algo, engine=args.engine,
                                  priority_scheduling=args.priority_scheduling or None)
     worker = SimWorker(settings)
-    handle = await start_server(worker.build_app(), settings.host, settings.port, install_signal_handlers=True)
+    try:
+        handle = await start_server(worker.build_app(), settings.host, settings.port, install_signal_handlers=True)
+    except OSError as exc:
+        _cannot_listen("sim", settings.host, settings.port, exc)
     logging.getLogger("kvgate").info("simulated worker %s on %s", settings.model, handle.url)
     await handle.task
 

@@ -110,3 +110,21 @@ def test_ctrl_c_stops_serve_cleanly(tmp_path: Path) -> None:
     finally:
         p.kill()
         p.wait(timeout=10)
+
+
+@pytest.mark.parametrize("which", ["serve --port", "sim --port", "serve --grpc-port", "epp --epp-port"])
+def test_a_port_in_use_is_one_line_and_exit_2(which: str) -> None:
+    import socket
+
+    cmd, flag = which.split()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = [cmd, flag, str(port)] + ([] if flag == "--port" else ["--port", str(free_port())])
+        r = subprocess.run([sys.executable, "-m", "kvgate.cli", *argv], capture_output=True, text=True, timeout=60,
+                           env={"PATH": "/usr/bin:/bin"})
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]
+    errors = [ln for ln in r.stderr.splitlines() if " WARNING " not in ln]
+    assert errors == [f"kvgate {cmd}: cannot listen on 127.0.0.1:{port}: Address already in use"], r.stderr
