@@ -68,13 +68,14 @@ async def _serve(args: argparse.Namespace) -> None:
     from kvgate.config import GatewaySettings
     from kvgate.gateway.app import create_app
     from kvgate.serving import freeze_startup_heap, start_server
+    from kvgate.settings_cli import overrides
 
     # `kvgate epp` is `serve` with the endpoint picker on (port 9002 unless configured).
     epp_port = getattr(args, "epp_port", None)
     if args.cmd == "epp" and epp_port is None and "KVGATE_EPP_PORT" not in os.environ:
         epp_port = EPP_PORT
-    settings = _settings_or_exit(GatewaySettings, host=args.host, port=args.port, policy=args.policy,
-                                 workers=args.worker or None, grpc_port=args.grpc_port, epp_port=epp_port)
+    given = {**overrides(args, GatewaySettings), "workers": args.worker or None, "epp_port": epp_port}
+    settings = _settings_or_exit(GatewaySettings, **given)
     if not settings.workers:
         # Warn, not refuse: a gateway started before its workers (or, with discovery, before any joins) is
         # a normal state for an orchestrator; it answers /health, and /ready says 503 until one is healthy.
@@ -160,7 +161,8 @@ EPP_PORT = 9002
 def _serve_parser(sub: Any, name: str = "serve") -> None:
     from typing import get_args
 
-    from kvgate.config import EngineKind, GatewaySettings, PolicyName
+    from kvgate.config import EngineKind, GatewaySettings
+    from kvgate.settings_cli import add_options
 
     g = GatewaySettings
     if name == "epp":
@@ -169,22 +171,17 @@ def _serve_parser(sub: Any, name: str = "serve") -> None:
                            description="Run the gateway as the endpoint picker of an inference gateway: Envoy's "
                            "ext_proc v3 on\nEPP_PORT (default 9002) picks each request's worker; the HTTP port "
                            "keeps /health, /ready,\n/metrics, /admin/* (and the OpenAI API). docs/epp.md.")
-        s.add_argument("--epp-port", type=int, metavar="PORT", help="ext_proc port (default: 9002; env "
-                       "KVGATE_EPP_PORT)")
     else:
         s = sub.add_parser("serve", help="run the gateway", formatter_class=argparse.RawDescriptionHelpFormatter,
                            description="Run the gateway: one process, OpenAI-compatible API on HOST:PORT, /health, "
-                           "/ready, /metrics\nand /admin/*. Other settings (Redis sessions, tiering, cost model, "
-                           "...): KVGATE_* or KVGATE_CONFIG, see README.")
-    s.add_argument("--grpc-port", type=int, metavar="PORT", help="serve the gRPC control API on this port "
-                   f"({_default(g, 'grpc_port')}; docs/grpc.md)")
-    s.add_argument("--host", metavar="HOST", help=f"listen address ({_default(g, 'host')})")
-    s.add_argument("--port", type=int, metavar="PORT", help=f"listen port, 0 picks a free one ({_default(g, 'port')})")
-    s.add_argument("--policy", choices=get_args(PolicyName), help=f"routing policy ({_default(g, 'policy')})")
+                           "/ready, /metrics\nand /admin/*. Every setting is an option below, a KVGATE_* variable "
+                           "and a key of the\nKVGATE_CONFIG file (README: Configuration).")
     s.add_argument("--worker", action="append", type=_parse_worker, metavar="URL=MODEL[@ENGINE]",
                    help="a worker, repeatable, e.g. http://10.0.0.5:8000=Qwen/Qwen3-8B@vllm; ENGINE is one of "
                    f"{', '.join(get_args(EngineKind))} (default vllm); block size 16, sha256 hashes, no KV events (for "
                    "those, workers: entries in KVGATE_CONFIG); given here, replaces KVGATE_WORKERS and the YAML list")
+    add_options(s, g, skip=frozenset({"workers"}),
+                defaults={"epp_port": f"{EPP_PORT} for kvgate epp"} if name == "epp" else None)
 
 
 def _sim_parser(sub: Any) -> None:

@@ -156,15 +156,19 @@ class YamlSettings(BaseSettings):
 
 
 class GatewaySettings(YamlSettings):
-    model_config = SettingsConfigDict(env_prefix="KVGATE_", extra="forbid")
+    # Attribute docstrings become the fields' descriptions: `kvgate serve --help` prints their first line.
+    model_config = SettingsConfigDict(env_prefix="KVGATE_", extra="forbid", use_attribute_docstrings=True)
 
     host: str = "127.0.0.1"
+    """Listen address of the HTTP API (and of the gRPC and ext_proc ports)."""
     port: int = Field(8000, ge=0, le=65535)
+    """Listen port of the OpenAI API, /health, /ready, /metrics and /admin/*; 0 picks a free one."""
     workers: list[WorkerConfig] = Field(default_factory=list)
     """The static list of workers; with ``discovery`` set, workers it finds join these."""
     discovery: Discovery | None = None
     """Where to find workers besides the static list: ``{kind: dns, ...}`` or ``{kind: kubernetes, ...}``."""
     policy: PolicyName = "cost_model"
+    """Routing policy."""
     affinity_epsilon: float = Field(0.25, ge=0.0, le=10.0)
     """Bounded load: a worker above (1+epsilon)·mean load takes no more sessions."""
     conversation_headers: list[str] = Field(default_factory=lambda: ["x-conversation-id"])
@@ -184,6 +188,7 @@ class GatewaySettings(YamlSettings):
     """Per-tenant quotas (concurrency, requests and tokens per minute) and the fair queue for the fleet's
     slots; off by default (kvgate/admission/, docs/admission.md)."""
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    """Request bodies larger than this get 413."""
     hostile: HostileSettings = Field(default_factory=HostileSettings)
     """Limits on hostile or oversized input: JSON depth and numbers, prompt tokens (docs/hostile-input.md)."""
     engine_token_ids: bool = True
@@ -196,18 +201,24 @@ class GatewaySettings(YamlSettings):
     health_interval_s: float = Field(5.0, gt=0)
     """Active checks (``/health`` and ``/metrics``) every this long; an ejected worker is probed as often."""
     health_timeout_s: float = Field(2.0, gt=0)
+    """An active check slower than this counts as failed."""
     eject_after_failures: int = Field(3, ge=1)
     """Consecutive failures (slow or failed checks, requests that timed out, 502/503/504, broken streams)
     that take a worker out; a refused connection does at once, and so does any failure on probation
     (the first requests after an ejected worker's probe succeeded)."""
     upstream_connect_timeout_s: float = Field(3.0, gt=0)
+    """Connecting to a worker."""
     upstream_read_timeout_s: float = Field(600.0, gt=0)
+    """Between two reads of a worker's answer."""
     upstream_client: Literal["aiohttp", "httpx"] = "aiohttp"
     """The HTTP client that carries proxied requests to the workers (kvgate/gateway/upstream.py: aiohttp
     costs a third of httpx's CPU per streamed request; httpx is kept to compare)."""
     retry_after_s: int = Field(1, ge=0)
+    """``Retry-After`` on a 503."""
     drain_timeout_s: float = Field(30.0, ge=0)
+    """On SIGTERM /ready turns 503 and in-flight requests get this long to finish."""
     session_ttl_s: float = Field(3600.0, gt=0)
+    """A conversation not seen this long is forgotten."""
     max_sessions: int = Field(100_000, ge=1)
     """Memory store: conversations kept (least recently used first out)."""
     max_store_bytes: int = Field(1 << 30, ge=1 << 20)
@@ -215,10 +226,13 @@ class GatewaySettings(YamlSettings):
     max_conversation_bytes: int = Field(4 << 20, ge=1 << 14)
     """One conversation's record: over it, its chain, then its oldest exact replies, then its history go."""
     session_store: Literal["memory", "redis"] = "memory"
+    """Where conversations live: ``redis`` shares them between gateway replicas."""
     redis_url: str = "redis://127.0.0.1:6379/0"
+    """The Redis of ``session_store: redis`` (and of the admission store)."""
     redis_cluster: bool = False
     """``redis_url`` names a Redis Cluster node: each conversation's keys share one hash slot."""
     redis_prefix: str = Field("kvgate:", min_length=1)
+    """Prefix of every key kvgate writes in Redis."""
     timer_tick_s: float = Field(0.1, gt=0, le=10)
     """How often a replica claims due timers and reads the fleet's new observations."""
     timer_lease_s: float = Field(60.0, gt=0)
@@ -252,11 +266,13 @@ class GatewaySettings(YamlSettings):
     reasoning_policy: str = "keep"
     """What a completed turn's reasoning becomes in later requests: keep, drop or truncate:N."""
     tenant_reasoning_policies: dict[str, str] = Field(default_factory=dict)
+    """Tenant -> its own ``reasoning_policy``."""
     tier_redis_url: str | None = None
     """The Redis LMCache uses as L2; set to check a prompt's remote-tier residency before routing."""
     tier_chunk_tokens: int = Field(256, gt=0)
     """LMCache's chunk size."""
     tier_probe_timeout_s: float = Field(0.05, gt=0)
+    """A residency probe of the remote tier slower than this counts as a miss."""
     tier_retry_s: float = Field(5.0, gt=0)
     """After a tier error, treat it as empty for this long before trying again."""
     cpu_tier_ttl_s: float = Field(300.0, gt=0)

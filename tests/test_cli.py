@@ -128,3 +128,40 @@ def test_a_port_in_use_is_one_line_and_exit_2(which: str) -> None:
     assert "Traceback" not in r.stderr, r.stderr[-2000:]
     errors = [ln for ln in r.stderr.splitlines() if " WARNING " not in ln]
     assert errors == [f"kvgate {cmd}: cannot listen on 127.0.0.1:{port}: Address already in use"], r.stderr
+
+
+def test_serve_help_lists_every_setting_with_its_env_var_and_default(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvgate.config import GatewaySettings
+
+    out = " ".join(_help(capsys, "serve").split())
+    names = [n for n in GatewaySettings.model_fields if n != "workers"]
+    assert len(names) > 40
+    for name in names:
+        flag = "--" + name.replace("_", "-")
+        assert f" {flag} " in out or f" {flag}, " in out, flag
+        assert f"env KVGATE_{name.upper()})" in out, name
+    assert "Bounded load: a worker above (1+epsilon)·mean load takes no more sessions. (default: 0.25;" in out
+    assert "``" not in out
+
+
+def test_every_generated_option_reaches_the_settings(clean_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from kvgate.config import GatewaySettings
+    from kvgate.settings_cli import overrides
+
+    f = tmp_path / "kvgate.yaml"
+    f.write_text("prefill: {min_gain_tokens: 64}\n")
+    clean_env.setenv("KVGATE_CONFIG", str(f))
+    args = _build_parser().parse_args([
+        "serve", "--affinity-epsilon", "0.5", "--no-engine-token-ids", "--session-store", "redis",
+        "--drain-timeout-s", "2.5", "--tokenizers", '{"m": "/models/m"}', "--prefill", '{"enabled": true}'])
+    s = GatewaySettings(**overrides(args, GatewaySettings))
+    assert (s.affinity_epsilon, s.engine_token_ids, s.session_store, s.drain_timeout_s) == (0.5, False, "redis", 2.5)
+    assert s.tokenizers == {"m": "/models/m"}
+    assert s.prefill.enabled and s.prefill.min_gain_tokens == 64  # merged into the file's section
+
+
+def test_a_json_option_that_is_not_json_is_refused_by_argparse(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        _build_parser().parse_args(["serve", "--tokenizers", "{m: x"])
+    assert exc.value.code == 2
+    assert "argument --tokenizers: not valid JSON" in capsys.readouterr().err
