@@ -93,7 +93,7 @@ async def _serve(args: argparse.Namespace) -> None:
 
     try:
         handle = await start_server(app, settings.host, settings.port, graceful_timeout_s=settings.drain_timeout_s,
-                                    on_drain=drain, install_signal_handlers=True)
+                                    on_drain=drain, install_signal_handlers=True, limits=settings.hostile.connections)
     except OSError as exc:
         _cannot_listen(args.cmd, settings.host, settings.port, exc)
     freeze_startup_heap()

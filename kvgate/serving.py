@@ -1,7 +1,8 @@
 """Running ASGI apps under uvicorn inside an existing event loop (CLI, demo, tests, benchmarks).
 
-Only uvicorn's public API: ``Server.serve(sockets=...)``, ``Server.capture_signals`` and
-``Server.handle_exit`` (overridden), ``started``/``should_exit``/``force_exit``.
+uvicorn's public API: ``Server.serve(sockets=...)``, ``Server.capture_signals`` and ``Server.handle_exit``
+(overridden), ``started``/``should_exit``/``force_exit``; and its httptools protocol, subclassed for the
+connection limits (kvgate/connections.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
+
+from kvgate.connections import LISTEN_QUEUE, ConnectionPolicy, GuardedConfig
+from kvgate.gateway.inputlimits import ConnectionLimits
 
 
 class DrainingServer(uvicorn.Server):
@@ -93,7 +97,7 @@ def bind(host: str, port: int) -> socket.socket:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host, port))
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.listen(2048)
+            sock.listen(LISTEN_QUEUE)
         except OSError as e:
             sock.close()
             if port or e.errno != errno.EADDRINUSE:
@@ -105,11 +109,13 @@ def bind(host: str, port: int) -> socket.socket:
 
 async def start_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0, *,
                        graceful_timeout_s: float | None = None, on_drain: Callable[[], None] | None = None,
-                       install_signal_handlers: bool = False) -> ServerHandle:
+                       install_signal_handlers: bool = False, limits: ConnectionLimits | None = None
+                       ) -> ServerHandle:
+    """``limits``: header deadline and size, keep-alive, connection cap (the defaults unless given)."""
     sock = bind(host, port)
     graceful = None if graceful_timeout_s is None else max(1, round(graceful_timeout_s))
-    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=graceful,
-                            access_log=False)
+    config = GuardedConfig(app, ConnectionPolicy.from_limits(limits or ConnectionLimits()), log_level="warning",
+                           lifespan="on", timeout_graceful_shutdown=graceful, access_log=False)
     server = DrainingServer(config, on_drain, owns_signals=install_signal_handlers)
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
     while not server.started:
@@ -117,6 +123,8 @@ async def start_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0, *,
             task.result()  # surfaces the start-up error
             raise RuntimeError("server exited during start-up")
         await asyncio.sleep(0.01)
+    # asyncio listened with its accept batch as the queue length; the kernel's queue stays the full one.
+    sock.listen(LISTEN_QUEUE)
     return ServerHandle(server, task, sock)
 
 
