@@ -259,9 +259,9 @@ def _build_parser() -> argparse.ArgumentParser:
     b.add_argument("--weights", action="store_true", help="also random weights (needs torch)")
 
     bn = sub.add_parser("bench", help="benchmarks from a source checkout: mooncake, swe, tiering, stores, overhead, "
-                        "tracing, epp, tenants, hostile")
+                        "tracing, epp, tenants, hostile, regroup")
     bn.add_argument("which", choices=["mooncake", "swe", "tiering", "stores", "overhead", "tracing", "epp", "tenants",
-                                          "hostile"])
+                                          "hostile", "regroup"])
     bn.add_argument("--trace", help="Mooncake-format trace, .jsonl or .jsonl.gz "
                     "(default: data/mooncake/conversation_trace.jsonl.gz)")
     bn.add_argument("--out", default="bench-out", help="output directory (default: bench-out)")
@@ -360,6 +360,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             from kvgate.bench import swe
 
             swe.run(SWE_TRAJECTORIES, Path(args.out))
+        elif args.which == "regroup":
+            from kvgate.bench import regroup
+
+            asyncio.run(regroup.main())
         elif args.which == "tiering":
             from kvgate.bench import tiering
 

@@ -158,7 +158,9 @@ class RedisConversationStore:
                 raise CodecError(f"the record of another conversation ({conv.id[:100]!r})")
             conv = replace(conv, version=_version(ver) or 0)
             self.bytes_read += len(head)
-            if cached is not None and cached.body_gen == conv.body_gen:
+            # The creation time tells a record that started again (expired, or reset from corrupt: its
+            # generations count from 0 again) from the one whose body this replica holds.
+            if cached is not None and (cached.body_gen, cached.created) == (conv.body_gen, conv.created):
                 # Decoded once: the chain keeps the block hashes this replica already computed.
                 return _Read(ver or b"0", with_body(conv, cached))
             body = res[1] if cached is None else await self._call(self._r.get(body_key))

@@ -52,6 +52,8 @@ end
 return 1
 """
 _CLAIM = """
+-- Both keys' types checked on every tick (WRONGTYPE otherwise), not only when a timer is due.
+redis.call('HLEN', KEYS[2])
 local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, ARGV[3])
 local out = {}
 for _, m in ipairs(due) do
@@ -83,11 +85,14 @@ local held = redis.call('HGETALL', KEYS[2])
 local total = 0
 for i = 1, #held, 2 do
   local n, d = string.match(held[i + 1], '^([^:]*):(.*)$')
-  d = tonumber(d)
-  if d == nil or d <= now then
+  n, d = tonumber(n), tonumber(d)
+  -- Not an entry this script wrote (no number, nan, a day or more ahead, negative or past any worker's
+  -- KV): dropped
+  -- with the lapsed ones, or it would count against the tenant's budget for ever.
+  if d == nil or n == nil or d ~= d or d > now + 86400 or n < 0 or n >= 2^40 or d <= now then
     redis.call('HDEL', KEYS[2], held[i])
   elseif held[i] ~= member then
-    total = total + (tonumber(n) or 0)
+    total = total + n
     if d > last then last = d end
   end
 end
@@ -105,6 +110,9 @@ return 1
 _KINDS: dict[str, Any] = {"wait": WaitObserved, "continuation": ContinuationObserved}
 _MAX_TOKENS = 1 << 40
 """More KV tokens than any worker holds: a reservation claiming more is not one kvgate wrote."""
+_HORIZON_S = 86400.0
+"""Reservations last seconds (``reserve_max_s``): one whose deadline is a day ahead would hold a worker's
+KV for ever. The reserve script drops the same."""
 
 
 def _text(v: Any) -> str:
@@ -119,7 +127,7 @@ def _timer(member: Any, token: Any) -> Timer | None:
         return None
 
 
-def _parked(key: Any, value: Any) -> tuple[WorkerId, int, float] | None:
+def _parked(key: Any, value: Any, now: float) -> tuple[WorkerId, int, float] | None:
     """(worker, tokens, deadline) of a reservation entry; None when it is not one this version wrote."""
     try:
         worker, sep, cid = _text(key).partition(_SEP)
@@ -127,7 +135,7 @@ def _parked(key: Any, value: Any) -> tuple[WorkerId, int, float] | None:
         n, d = int(tokens), float(until)
     except (UnicodeDecodeError, ValueError):
         return None
-    ok = worker and sep and cid and colon and 0 <= n < _MAX_TOKENS and math.isfinite(d)
+    ok = worker and sep and cid and colon and 0 <= n < _MAX_TOKENS and math.isfinite(d) and d < now + _HORIZON_S
     return (WorkerId(worker), n, d) if ok else None
 
 
@@ -285,7 +293,7 @@ class RedisFleet:
         total = 0
         bad = []
         for k, v in held.items():
-            p = _parked(k, v)
+            p = _parked(k, v, now)
             if p is None:
                 self.corruption.found("parked", f"{key}[{k!r}]"[:200], "not <tokens>:<deadline>")
                 bad.append(k)
@@ -300,7 +308,7 @@ class RedisFleet:
         out: dict[WorkerId, int] = {}
         drop = []
         for k, v in held.items():
-            p = _parked(k, v)
+            p = _parked(k, v, now)
             if p is None:
                 self.corruption.found("reservation", repr(k)[:200], "not <worker>\\x1f<cid> -> <tokens>:<deadline>")
                 drop.append(k)
