@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
 
 from kvgate import safejson
+from kvgate.gateway.auth import key_hash
 from kvgate.gateway.send import worker_error
 from tests.conftest import MODEL
 
@@ -260,3 +262,47 @@ async def test_oversized_bodies_are_413_in_openai_shape_however_framed(make_clus
         head, _, payload = got.partition(b"\r\n\r\n")
         assert head.split(b" ")[1] == status, got[:300]
         assert json.loads(payload)["error"]["code"] == "request_too_large", (name, path)
+
+
+def chat_of(n: int) -> bytes:
+    """A chat request of exactly ``n`` bytes, padded with JSON whitespace: a prompt that long would be
+    refused for the context length (the 400 the attack report took for the body limit's)."""
+    core = json.dumps({"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    return core[:-1] + b" " * (n - len(core)) + b"}"
+
+
+async def in_chunks(data: bytes) -> AsyncIterator[bytes]:
+    """No length declared: httpx sends it chunked, and the gateway counts it as it arrives."""
+    for i in range(0, len(data), 1000):
+        yield data[i:i + 1000]
+
+
+@pytest.mark.parametrize("framing", ["declared", "chunked"])
+async def test_a_body_of_exactly_max_body_bytes_passes_and_one_more_is_413(make_cluster: Any, framing: str) -> None:
+    limit = 4096
+    c = await make_cluster(n=1, max_body_bytes=limit)
+    async with httpx.AsyncClient(base_url=c.url, timeout=30) as h:
+        for n, status in ((limit, 200), (limit + 1, 413)):
+            body = chat_of(n)
+            assert len(body) == n
+            r = await h.post("/v1/chat/completions", content=body if framing == "declared" else in_chunks(body),
+                             headers={"content-type": "application/json"})
+            assert r.status_code == status, (n, r.text[:300])
+        err = r.json()["error"]
+        assert (err["type"], err["code"]) == ("invalid_request_error", "request_too_large")
+
+
+async def test_an_oversized_credential_is_refused_before_it_is_hashed_or_decoded(make_cluster: Any) -> None:
+    c = await make_cluster(n=1, auth={"mode": "api_key", "api_keys": [{"sha256": key_hash("k"), "tenant": "t"}],
+                                      "cache_salt_secret": "s" * 32})
+    jwt_shaped = "e30." + "a" * (60 * 1024) + ".c2ln"  # over MAX_CREDENTIAL_BYTES, under the header limit
+    chat = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    async with httpx.AsyncClient(base_url=c.url, timeout=30) as h:
+        assert (await h.post("/v1/chat/completions", json=chat, headers={"x-api-key": "k"})).status_code == 200
+        for headers in ({"authorization": f"Bearer {jwt_shaped}"}, {"x-api-key": jwt_shaped}):
+            r = await h.post("/v1/chat/completions", json=chat, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "credential_too_long", r.text[:300]
+        # Over the header limit: refused by the HTTP layer before the gateway sees a request at all.
+        r = await h.post("/v1/chat/completions", json=chat, headers={"authorization": "Bearer " + "a" * (512 << 10)})
+        assert r.status_code == 431 and r.json()["error"]["code"] == "request_header_fields_too_large"
+        assert (await h.get("/health")).status_code == 200
