@@ -20,6 +20,7 @@ from pydantic_settings import (
 )
 
 from kvgate.admission.settings import AdmissionSettings
+from kvgate.epp.trust import EppAuthSettings, check_startup
 from kvgate.gateway.auth import AuthSettings
 from kvgate.gateway.inputlimits import HostileSettings
 from kvgate.router.cost import CostParams
@@ -305,6 +306,9 @@ class GatewaySettings(YamlSettings):
     epp_fallbacks: int = Field(1, ge=0, le=8)
     """Endpoints named after the picked one in ``x-gateway-destination-endpoint``, next best first, for
     Envoy's retries of a request the picked worker never had."""
+    epp_auth: EppAuthSettings = Field(default_factory=EppAuthSettings)
+    """Who may call the endpoint picker: a shared token in Envoy's ext_proc initial metadata and/or mutual
+    TLS; only an authenticated caller is sent ``auth.worker_api_key`` (kvgate/epp/trust.py, docs/epp.md)."""
 
     @field_validator("conversation_headers")
     @classmethod
@@ -335,6 +339,11 @@ class GatewaySettings(YamlSettings):
         for p in v.values():
             get_protocol(p)
         return v
+
+    @model_validator(mode="after")
+    def _epp_callers(self) -> GatewaySettings:
+        check_startup(self.epp_auth, self.auth.worker_api_key, self.epp_port)
+        return self
 
     @model_validator(mode="after")
     def _unique_ids(self) -> GatewaySettings:

@@ -87,8 +87,10 @@ def split(data: bytes, parts: int) -> list[bytes]:
 class Envoy:
     """A FULL_DUPLEX_STREAMED ext_proc data plane with override-host routing, as an HTTP server."""
 
-    def __init__(self, epp_target: str, chunks: int = 3) -> None:
+    def __init__(self, epp_target: str, chunks: int = 3, metadata: tuple[tuple[str, str], ...] = ()) -> None:
         self.channel = grpc.aio.insecure_channel(epp_target)
+        self.metadata = metadata
+        """What Envoy's ext_proc ``grpc_service.initial_metadata`` sends on every stream."""
         self.stub = epgrpc.ExternalProcessorStub(self.channel)
         self.client = httpx.AsyncClient(timeout=60)
         self.chunks = chunks
@@ -104,7 +106,7 @@ class Envoy:
         body = await request.body()
         headers = {k: v for k, v in request.headers.items() if k not in HOP}
         headers["content-length"] = str(len(body))
-        call = self.stub.Process()
+        call = self.stub.Process(metadata=self.metadata)
         await call.write(request_headers("/" + request.path_params["path"], headers, end_of_stream=not body,
                                          method=request.method))
         for i, part in enumerate(split(body, self.chunks) if body else []):

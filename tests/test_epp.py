@@ -315,7 +315,11 @@ async def test_an_upstream_error_status_is_passed_on_and_not_recorded(make_clust
     r = await call.read()
     assert r.response_body.response.body_mutation.streamed_response.body == b"overloaded"
     assert await c.gateway.store.peek("err") is None  # type: ignore[arg-type]
-    assert c.gateway.pool.get(w).in_flight == 0 and "503" in c.gateway.pool.get(w).last_error
+    # The status is the stream's claim: counted as one, the worker's health untouched (issue 24).
+    state = c.gateway.pool.get(w)
+    assert state.in_flight == 0 and state.healthy and state.health.failures == 0 and state.last_error == ""
+    assert await metric(c, "kvgate_epp_reported_status_total", worker=w, status="5xx") == 1
+    assert await metric(c, "kvgate_upstream_failures_total") == 0
     await ch.close()
 
 

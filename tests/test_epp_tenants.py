@@ -28,6 +28,7 @@ from tests.test_auth import auth
 from tests.test_gateway import eventually
 
 CHAT = "/v1/chat/completions"
+DATA_PLANE_TOKEN = "data-plane-token-0123456789"
 
 
 class Plane:
@@ -48,11 +49,12 @@ class Plane:
 
 
 @asynccontextmanager
-async def plane(make_cluster: Any, n: int = 1, **kw: Any) -> AsyncIterator[Plane]:
+async def plane(make_cluster: Any, n: int = 1, metadata: tuple[tuple[str, str], ...] = (),
+                **kw: Any) -> AsyncIterator[Plane]:
     kw.setdefault("drain_timeout_s", 1)
     c: Cluster = await make_cluster(n, events=True, epp_port=0, **kw)
     port = c.gateway_handle.server.config.app.state.grpc.epp_port  # type: ignore[union-attr]
-    envoy = Envoy(f"127.0.0.1:{port}")
+    envoy = Envoy(f"127.0.0.1:{port}", metadata=metadata)
     handle = await start_server(envoy.app)
     try:
         yield Plane(c, envoy, handle)
@@ -98,8 +100,10 @@ async def test_the_tenant_is_the_credentials_and_the_client_is_told_why_not(make
 
 async def test_the_body_carries_the_tenants_salt_and_the_workers_key_replaces_the_clients(make_cluster: Any) -> None:
     sent: list[tuple[dict[str, str], dict[str, Any]]] = []
+    # The data plane authenticates itself to the picker (issue 24): only then is the workers' key sent.
     async with plane(make_cluster, sim={"speed": 20.0, "api_key": "worker-secret"},
-                     auth=auth(worker_api_key="worker-secret")) as p:
+                     auth=auth(worker_api_key="worker-secret"), epp_auth={"tokens": [DATA_PLANE_TOKEN]},
+                     metadata=(("authorization", f"Bearer {DATA_PLANE_TOKEN}"),)) as p:
         upstream = p.envoy._upstream
 
         async def spy(call: Any, method: str, path: str, headers: dict[str, str], data: bytes,

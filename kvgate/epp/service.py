@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from prometheus_client import Counter, Histogram
 
+from kvgate.epp.probe import EarlyProbe
 from kvgate.epp.stream import EppStream, OutOfOrder, Unsupported
+from kvgate.epp.trust import Refused, authenticate
 from kvgate.grpc.gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from kvgate.grpc.gen.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as epgrpc
 
@@ -29,17 +31,29 @@ class EppMetrics:
                                "completed, aborted (ended before the response did), rejected (an immediate "
                                "response), refused (an unsupported filter configuration, or a request "
                                "phase after the end of the request), observability "
-                               "(the filter runs in observability mode)", ["outcome"], registry=r)
+                               "(the filter runs in observability mode), unauthenticated (the caller "
+                               "failed epp_auth)", ["outcome"], registry=r)
+        self.reported = Counter("kvgate_epp_reported_status", "Response statuses the ext_proc caller reported "
+                                "for a pick, by worker and status class: the stream's claim, not evidence of "
+                                "the worker's health (a reported 502/503/504 only asks for an early active "
+                                "check)", ["worker", "status"], registry=r)
 
 
 class ExtProcService(epgrpc.ExternalProcessorServicer):
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
         self.metrics = EppMetrics(gw)
+        self.probe = EarlyProbe(gw)
 
     async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest],
                       context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[ep.ProcessingResponse]:
-        stream = EppStream(self.gw, self.metrics)
+        try:
+            trusted = authenticate(self.gw.settings.epp_auth, context.invocation_metadata() or (),
+                                   context.auth_context())
+        except Refused as exc:
+            self.metrics.streams.labels("unauthenticated").inc()
+            await context.abort(exc.code, str(exc))
+        stream = EppStream(self.gw, self.metrics, trusted=trusted, probe=self.probe)
         outcome = "aborted"
         try:
             async for req in request_iterator:

@@ -18,9 +18,12 @@ before that (the client went away, Envoy gave up) releases the worker slot and r
 
 Tenants as in proxy mode: with auth on, every request Envoy asks about is authenticated from the client's
 headers Envoy passes on (the tenant is the credential's, its salt goes into the body, the client's
-credential is replaced by the workers' key or removed); with admission on, the request is admitted
-before it is prepared and holds its admission until the ext_proc stream ends, which is when Envoy is done
-with the response (or gave up on it).
+credential is replaced by the workers' key when epp_auth authenticated the caller, or removed); with
+admission on, the request is admitted before it is prepared and holds its admission until the ext_proc
+stream ends, which is when Envoy is done with the response (or gave up on it).
+
+The response's status is the caller's claim: it settles this request, never the worker's health
+(kvgate/epp/probe.py).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from kvgate.grpc.gen.envoy.service.ext_proc.v3 import external_processor_pb2 as 
 from kvgate.router.types import Decision, WorkerId
 
 if TYPE_CHECKING:
+    from kvgate.epp.probe import EarlyProbe
     from kvgate.epp.service import EppMetrics
     from kvgate.gateway.app import Gateway
 
@@ -61,10 +65,14 @@ class OutOfOrder(Exception):
 
 
 class EppStream:
-    def __init__(self, gw: Gateway, metrics: EppMetrics | None = None) -> None:
+    def __init__(self, gw: Gateway, metrics: EppMetrics | None = None, trusted: bool = False,
+                 probe: EarlyProbe | None = None) -> None:
         self.gw = gw
         self.m = gw.metrics
         self.epp_metrics = metrics
+        self.trusted = trusted
+        """The caller passed epp_auth (the data plane): only then may an answer carry the workers' key."""
+        self.probe = probe
         default = proto.BUFFERED if gw.settings.epp_body_mode == "buffered" else proto.FULL_DUPLEX
         self.req_mode: int = default
         self.resp_mode: int = default
@@ -193,14 +201,17 @@ class EppStream:
         return require(auth, self.headers, proxy=True) if auth.settings.enabled else None
 
     def _credentials(self) -> ep.HeaderMutation:
-        """The workers' credential instead of the client's: the client's key is kvgate's, never the worker's."""
+        """The workers' credential instead of the client's: the client's key is kvgate's, never the worker's.
+        The workers' key goes only to an authenticated caller: whoever holds the stream reads the mutation."""
         s = self.gw.settings.auth
         m = ep.HeaderMutation()
-        if s.worker_api_key is not None:
+        if s.worker_api_key is not None and self.trusted:
             m.set_headers.extend(proto.set_headers({"authorization": f"Bearer {s.worker_api_key.get_secret_value()}"}))
             if s.enabled:
                 m.remove_headers.append("x-api-key")
-        elif s.enabled:
+        elif s.enabled or s.worker_api_key is not None:
+            # Untrusted caller with a workers' key: no credential at all, rather than the client's (a
+            # worker that checks keys refuses the request; Envoy's own route may add one).
             m.remove_headers.extend(["authorization", "x-api-key"])
         return m
 
@@ -314,17 +325,18 @@ class EppStream:
         self.gw.router.dispatched(ex.prepared, w.id)
 
     def _status_seen(self) -> None:
+        """The status is the stream's claim: it settles this request (recorded or not), never the worker's
+        health for everyone. kvgate_upstream_failures counts what kvgate's own connections saw, so the
+        claim is counted apart; a claimed 502/503/504 asks for an early active check (kvgate/epp/probe.py)."""
         ex = self.ex
         assert ex is not None
         w = ex.decision.worker
+        if self.epp_metrics is not None:
+            self.epp_metrics.reported.labels(w, f"{self.status // 100}xx" if self.status else "other").inc()
         if 200 <= self.status < 400:
             self.gw.router.accepted(ex.prepared, w)
-        elif self.status in (502, 503, 504):
-            # The worker did not take the request (as in proxy mode: another worker may).
-            self.m.upstream_failures.labels(w, "status_5xx").inc()
-            self.gw.pool.mark_failed(w, f"HTTP {self.status} through Envoy", "status_5xx")
-        elif self.status >= 500:
-            self.m.upstream_failures.labels(w, "status_500").inc()
+        elif self.status in (502, 503, 504) and self.probe is not None:
+            self.probe.request(w)
 
     async def _response_body(self, b: ep.HttpBody) -> list[ep.ProcessingResponse]:
         eos = b.end_of_stream

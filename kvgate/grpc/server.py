@@ -24,6 +24,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from kvgate.epp.service import ExtProcService
+from kvgate.epp.trust import server_credentials
 from kvgate.grpc.auth import AuthInterceptor
 from kvgate.grpc.decisions import DecisionBus
 from kvgate.grpc.explain import decision_pb
@@ -72,9 +73,9 @@ def _options(gw: Gateway) -> list[tuple[str, int]]:
     return [("grpc.max_receive_message_length", n), ("grpc.max_send_message_length", n)]
 
 
-def _bind(server: grpc.aio.Server, host: str, port: int) -> int:
+def _bind(server: grpc.aio.Server, host: str, port: int, creds: grpc.ServerCredentials | None = None) -> int:
     addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    bound = server.add_insecure_port(addr)
+    bound = server.add_insecure_port(addr) if creds is None else server.add_secure_port(addr, creds)
     if bound == 0:
         raise OSError(f"gRPC: cannot listen on {addr}")
     return bound
@@ -114,7 +115,7 @@ async def _epp(gw: Gateway, servers: GrpcServers, port: int) -> None:
     await health.set("liveness", SERVING)
     reflection.enable_server_reflection((EXT_PROC, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                                          reflection.SERVICE_NAME), server)
-    servers.epp_port = _bind(server, gw.settings.host, port)
+    servers.epp_port = _bind(server, gw.settings.host, port, server_credentials(gw.settings.epp_auth))
     await server.start()
     servers.epp = server
 
