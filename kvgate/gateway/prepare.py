@@ -115,8 +115,12 @@ class Preparer:
         self.metrics = metrics
 
     async def prepare(self, request: Request, endpoint: Endpoint, trace: RequestTrace = OFF,
-                      principal: Principal | None = None) -> Prepared:
+                      principal: Principal | None = None,
+                      translate: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]] | None = None) -> Prepared:
+        """``translate``: another protocol's body into the ``endpoint``'s (gateway/front.py)."""
         body = await read_json(request, self.settings.max_body_bytes, self.settings.hostile.json_limits)
+        if translate is not None:
+            body = await translate(body)
         return await self.prepare_body(body, request.headers, endpoint, trace=trace, principal=principal,
                                        admit=self.admission is not None,
                                        guard=lambda aw: until_disconnect(request, aw))

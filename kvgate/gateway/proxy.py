@@ -4,18 +4,21 @@ conversation's record). Each step is its own module; this one runs them and answ
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import AsyncIterable
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from kvgate.admission.gate import Ticket
 from kvgate.errors import ApiError, BadRequest
-from kvgate.gateway.auth import Authenticator, require
-from kvgate.gateway.exchange import PATHS, ClientGone, Endpoint
+from kvgate.gateway.auth import Authenticator, Principal, require
+from kvgate.gateway.exchange import PATHS, ClientGone, Endpoint, Prepared
+from kvgate.gateway.front import Front
 from kvgate.gateway.prepare import Preparer
 from kvgate.gateway.send import Sender
 from kvgate.gateway.telemetry import GatewayMetrics
@@ -33,14 +36,16 @@ class Proxy:
         self.metrics = metrics
         self.tracing = tracing or Tracing()
 
-    async def handle(self, request: Request, endpoint: Endpoint) -> Response:
-        trace = self.tracing.request(request.headers, PATHS[endpoint])
+    async def handle(self, request: Request, endpoint: Endpoint, front: Front | None = None) -> Response:
+        """``front``: a door of another protocol (gateway/front.py) over the chat pipeline."""
+        trace = self.tracing.request(request.headers, PATHS[endpoint] if front is None else request.url.path)
         ticket: Ticket | None = None
         resp: Response | None = None
         try:
             principal = require(self.auth, request.headers, proxy=True) if self.auth is not None else None
             try:
-                prepared = await self.preparer.prepare(request, endpoint, trace, principal)
+                translate = None if front is None else self._translator(front, request, principal)
+                prepared = await self.preparer.prepare(request, endpoint, trace, principal, translate)
             except (ApiError, ClientGone):
                 raise
             except ClientDisconnect:
@@ -56,8 +61,11 @@ class Proxy:
                                  code="invalid_request") from exc
             ticket = prepared.ticket
             resp = await self.sender.send(request, prepared)
+            if front is not None:
+                resp = await _translated(front, resp, prepared)
         except ApiError as exc:
-            resp = exc.response()
+            resp = exc.response() if front is None else \
+                JSONResponse(front.error(exc.status, exc), status_code=exc.status, headers=exc.headers)
         except ClientGone:
             self.metrics.client_disconnects.inc()
             resp = Response(status_code=499)
@@ -73,6 +81,64 @@ class Proxy:
         elif ticket is not None:
             resp = _Admitted(ticket, resp.body_iterator, resp.status_code, dict(resp.headers))
         return resp
+
+
+    def _translator(self, front: Front, request: Request, principal: Principal | None
+                    ) -> Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]:
+        auth = self.preparer.settings.auth
+        tenant = principal.tenant if principal is not None and auth.enabled else \
+            request.headers.get(self.preparer.settings.tenant_header, "")
+
+        def translate(body: dict[str, Any]) -> Awaitable[dict[str, Any]]:
+            return front.to_chat(body, request.headers, tenant)
+
+        return translate
+
+
+_DROP = ("content-length", "content-type")
+"""Headers of the chat answer that do not describe the translated one."""
+
+
+async def _translated(front: Front, resp: Response, prepared: Prepared) -> Response:
+    headers = {k: v for k, v in resp.headers.items() if k not in _DROP}
+    if isinstance(resp, StreamingResponse):
+        if 200 <= resp.status_code < 300:
+            chat = _as_bytes(resp.body_iterator)
+            return StreamingResponse(_closing(front.from_stream(chat, prepared), chat),
+                                     status_code=resp.status_code, headers=headers, media_type="text/event-stream")
+        return resp
+    try:
+        obj = json.loads(bytes(resp.body)) if resp.body else {}
+    except ValueError:
+        obj = {}
+    if not isinstance(obj, dict):
+        obj = {}
+    if 200 <= resp.status_code < 300:
+        return JSONResponse(await front.from_json(obj, prepared), status_code=resp.status_code, headers=headers)
+    return JSONResponse(front.error(resp.status_code, obj), status_code=resp.status_code, headers=headers)
+
+
+async def _as_bytes(it: AsyncIterable[str | bytes | memoryview]) -> AsyncGenerator[bytes, None]:
+    try:
+        async for chunk in it:
+            yield chunk.encode() if isinstance(chunk, str) else bytes(chunk)
+    finally:
+        close = getattr(it, "aclose", None)
+        if close is not None:
+            await close()
+
+
+async def _closing(out: AsyncIterator[bytes], chat: AsyncGenerator[bytes, None]) -> AsyncIterator[bytes]:
+    """The translated stream, closing the chat stream under it when it ends or its client leaves: the
+    relay's ending (the worker's stream closed, the outcome recorded) must not wait for the collector."""
+    try:
+        async for chunk in out:
+            yield chunk
+    finally:
+        aclose = getattr(out, "aclose", None)
+        if aclose is not None:
+            await aclose()
+        await chat.aclose()
 
 
 class _Admitted(StreamingResponse):
