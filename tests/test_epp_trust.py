@@ -166,6 +166,11 @@ class Pki:
             (d / name).write_bytes(data)
             self.files[name] = str(d / name)
 
+    def rotate(self, d: Path) -> None:
+        """cert-manager's rotation: a new CA, the picker's and Envoy's certificates re-issued, the files
+        replaced where the picker reads them."""
+        self.__init__(d)  # type: ignore[misc]
+
     def settings(self, **kw: Any) -> dict[str, Any]:
         return {"tls_cert_file": self.files["tls.crt"], "tls_key_file": self.files["tls.key"],
                 "client_ca_file": self.files["ca.pem"], **kw}
@@ -203,6 +208,21 @@ async def test_mutual_tls_and_the_token_together_need_both(make_cluster: Any, tm
         assert await refusal(stub) == grpc.StatusCode.UNAUTHENTICATED
         headers, _ = mutation(await pick(stub, (("authorization", f"Bearer {TOKEN}"),)))
         assert headers["authorization"] == f"Bearer {WORKER_KEY}"
+
+
+async def test_rotated_certificate_files_are_read_on_the_next_handshake(make_cluster: Any, tmp_path: Path) -> None:
+    pki = Pki(tmp_path)
+    c = await make_cluster(1, drain_timeout_s=1, epp_port=0, auth={"worker_api_key": WORKER_KEY},
+                           epp_auth=pki.settings())
+    target = epp_target(c)
+    old = (pki.ca, pki.envoy, pki.envoy_key)
+    pki.rotate(tmp_path)
+    async with pki.channel(target, pki.envoy, pki.envoy_key) as ch:  # the new CA, without a restart
+        headers, _ = mutation(await pick(epgrpc.ExternalProcessorStub(ch)))
+        assert headers["authorization"] == f"Bearer {WORKER_KEY}"
+    creds = grpc.ssl_channel_credentials(root_certificates=old[0], private_key=old[2], certificate_chain=old[1])
+    async with grpc.aio.secure_channel(target, creds) as ch:  # the old CA's client is not trusted any more
+        assert await refusal(epgrpc.ExternalProcessorStub(ch)) == grpc.StatusCode.UNAVAILABLE
 
 
 # -- response phases are claims -------------------------------------------------------------------

@@ -44,6 +44,10 @@ class ExtProcService(epgrpc.ExternalProcessorServicer):
         self.gw = gw
         self.metrics = EppMetrics(gw)
         self.probe = EarlyProbe(gw)
+        trust = gw.settings.epp_auth
+        if not trust.authenticates and not trust.allow_unauthenticated:
+            log.warning("endpoint picker: any caller that reaches the ext_proc port is served (set epp_auth.tokens "
+                        "and/or epp_auth.client_ca_file, or epp_auth.allow_unauthenticated: true; docs/epp.md)")
 
     async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest],
                       context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[ep.ProcessingResponse]:
