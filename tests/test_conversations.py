@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+import tracemalloc
 from array import array
 from dataclasses import replace
 
@@ -71,3 +73,37 @@ def test_a_record_over_its_byte_bound_sheds_the_chain_then_old_replies_then_hist
     assert c.chain is None and len(c.exact) == 3 and c.body_bytes() <= 30_000
     huge = c.with_reply("m", ({"role": "user", "content": "u" * 40_000},), reply, None, chain, None, limits)
     assert huge.history == () and huge.body_bytes() <= 30_000
+
+
+def like_a_turn(i: int, tokens: int = 2_500, block: int = 16) -> Conversation:
+    """A record as the gateway keeps one after a ~2,500-token turn: the history and reply as sent, the
+    chain's text and tokens, and the block hashes routing filled in."""
+    rng = random.Random(i)
+    text = " ".join(f"w{rng.randrange(10**6)}" for _ in range(tokens // 3))
+    reply = {"role": "assistant", "content": f"done {i}"}
+    chain = Chain(text, array("I", (rng.randrange(50_000) for _ in range(tokens))), array("I", [0, 3]),
+                  array("I", [0, 1]))
+    n = tokens // block
+    chain.hashes[(block, "sha256_cbor", True)] = (block, [rng.randbytes(32) for _ in range(n)],
+                                                  [rng.getrandbits(63) for _ in range(n)])
+    return replace(new(f"c{i}"), model="m", history=({"role": "user", "content": text}, reply), exact=(reply,),
+                   chain=chain, responses=(f"chatcmpl-{i}",), body_gen=1)
+
+
+async def test_the_byte_bound_bounds_what_the_records_really_hold() -> None:
+    """Fails on a0afb21: the size was estimated from string lengths, without the block hashes, the
+    objects' headers or the response index, and the store held ~1.8x its bound."""
+    bound = 1 << 20
+    store = MemoryConversationStore(VirtualClock(), max_bytes=bound)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(120):  # ~8 MB of records through a 1 MiB store
+            await store.update(C(f"c{i}"), lambda cur, i=i: like_a_turn(i))  # type: ignore[misc]
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert store.stats()["bytes"] <= bound
+    assert 0.5 * bound < held <= 1.1 * bound, held
+    assert 10 <= store.stats()["conversations"] < 30
+    assert await store.conversation_of("chatcmpl-0") is None and len(store._responses) == store.stats()["conversations"]

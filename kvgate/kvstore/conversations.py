@@ -9,9 +9,12 @@ record written, or the current one when the function declines to write (returns 
 
 from __future__ import annotations
 
+import enum
+import functools
+import sys
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import fields, is_dataclass, replace
 from typing import Any, Protocol
 
 from kvgate.clock import Clock
@@ -61,7 +64,8 @@ class ConversationStore(Protocol):
 
 
 class MemoryConversationStore:
-    """One process's records, bounded by count and by bytes (least recently used first), with a TTL."""
+    """One process's records, bounded by count and by the bytes they hold (least recently used first),
+    with a TTL."""
 
     def __init__(self, clock: Clock, ttl_s: float = 3600.0, max_conversations: int = 100_000,
                  max_bytes: int = 1 << 30) -> None:
@@ -69,7 +73,8 @@ class MemoryConversationStore:
         self._ttl = ttl_s
         self._max = max_conversations
         self._max_bytes = max_bytes
-        self._data: OrderedDict[ConversationId, tuple[Conversation, float, int]] = OrderedDict()
+        self._data: OrderedDict[ConversationId, tuple[Conversation, float, int, tuple[int, ...]]] = OrderedDict()
+        """(record, expiry, bytes held, its block hashes' lengths when measured) by conversation, LRU first."""
         self._bytes = 0
         self._responses: OrderedDict[str, ConversationId] = OrderedDict()
         self.corruption = Corruption()
@@ -122,9 +127,17 @@ class MemoryConversationStore:
         return None
 
     def _put(self, c: Conversation) -> None:
+        item = self._data.get(c.id)
         self._drop(c.id)
-        size = c.body_bytes() + 512 + 128 * len(c.turns)
-        self._data[c.id] = (c, self._clock.now() + self._ttl, size)
+        # The chain's block hashes are filled in after the record is stored (when the next turn is
+        # routed), and they are much of what a long record holds: a record read again is measured again
+        # when they changed.
+        sig = _hashes_sig(c)
+        if item is not None and item[0] is c and item[3] == sig:
+            size = item[2]
+        else:
+            size = held_bytes(c) + _ENTRY_BYTES + _INDEX_BYTES * len(c.responses)
+        self._data[c.id] = (c, self._clock.now() + self._ttl, size, sig)
         self._bytes += size
         while self._data and (len(self._data) > self._max or self._bytes > self._max_bytes):
             self._drop(next(iter(self._data)))
@@ -134,4 +147,50 @@ class MemoryConversationStore:
         if item is None:
             return False
         self._bytes -= item[2]
+        for rid in item[0].responses:
+            # The response index holds what the store holds: a dropped record's ids go with it (they
+            # were counted in its size), or the index would keep 100,000 of them past the byte bound.
+            if self._responses.get(rid) == cid:
+                del self._responses[rid]
         return True
+
+
+def _hashes_sig(c: Conversation) -> tuple[int, ...]:
+    return () if c.chain is None else tuple(len(v[1]) for v in c.chain.hashes.values())
+
+
+_ENTRY_BYTES = 200
+"""A record's entry in the store: the LRU's node and key, the (record, expiry, size) tuple."""
+_INDEX_BYTES = 100
+"""A response id's entry in the response index (the id and the conversation id are the record's)."""
+_SHARED = (type(None), bool, enum.Enum)
+
+
+def held_bytes(obj: Any) -> int:
+    """The bytes ``obj`` keeps alive: every object reachable from it (``sys.getsizeof``), an object it
+    reaches twice counted once. An estimate from string lengths undercounts a record several times
+    over (a str's header, a dict per message, a bytes object and an int per block hash): the byte bound
+    would then bound a fraction of what the store holds."""
+    seen: set[int] = set()
+    stack = [obj]
+    total = 0
+    while stack:
+        o = stack.pop()
+        if id(o) in seen or isinstance(o, _SHARED):
+            continue
+        seen.add(id(o))
+        total += sys.getsizeof(o)
+        if isinstance(o, dict):
+            stack.extend(o.keys())
+            stack.extend(o.values())
+        elif isinstance(o, list | tuple | set | frozenset):
+            stack.extend(o)
+        elif is_dataclass(o) and not isinstance(o, type):
+            cls: type = type(o)
+            stack.extend(getattr(o, name) for name in _slots(cls))
+    return total
+
+
+@functools.cache
+def _slots(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))
