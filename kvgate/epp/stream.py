@@ -332,7 +332,8 @@ class EppStream:
         assert ex is not None
         w = ex.decision.worker
         if self.epp_metrics is not None:
-            self.epp_metrics.reported.labels(w, f"{self.status // 100}xx" if self.status else "other").inc()
+            cls = f"{self.status // 100}xx" if 100 <= self.status < 600 else "other"
+            self.epp_metrics.reported.labels(w, cls).inc()
         if 200 <= self.status < 400:
             self.gw.router.accepted(ex.prepared, w)
         elif self.status in (502, 503, 504) and self.probe is not None:
