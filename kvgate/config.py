@@ -211,6 +211,14 @@ class GatewaySettings(YamlSettings):
     """Connecting to a worker."""
     upstream_read_timeout_s: float = Field(600.0, gt=0)
     """Between two reads of a worker's answer."""
+    upstream_keepalive_s: float = Field(4.0, gt=0)
+    """How long an idle connection to a worker is kept for reuse: under the workers' own keep-alive
+    timeout (vLLM's and SGLang's uvicorn: 5 s), so kvgate never sends on a connection the worker is closing
+    (the keep-alive race: a 502 for a request no worker saw)."""
+    overload_shed_lag_ms: float | None = Field(None, gt=0)
+    """Refuse new requests (503 ``overloaded``, Retry-After) while kvgate's own event loop runs later than
+    this (gateway/looplag.py); None: never. 20–50 keeps admitted requests' added latency bounded when the
+    offered load exceeds what one process serves (docs/operations.md)."""
     upstream_client: Literal["aiohttp", "httpx"] = "aiohttp"
     """The HTTP client that carries proxied requests to the workers (kvgate/gateway/upstream.py: aiohttp
     costs a third of httpx's CPU per streamed request; httpx is kept to compare)."""

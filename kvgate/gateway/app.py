@@ -35,6 +35,7 @@ from kvgate.gateway.admin import admin_routes
 from kvgate.gateway.auth import Authenticator
 from kvgate.gateway.inputlimits import PromptLimits, learn_context
 from kvgate.gateway.kvevents import KvEventSubscriber, SubscriberCollector
+from kvgate.gateway.looplag import LoopLag
 from kvgate.gateway.membership import Membership
 from kvgate.gateway.policyedit import GatewayPolicy, PolicyLog
 from kvgate.gateway.prefix import PrefixKnowledge
@@ -132,6 +133,10 @@ class Gateway:
         self.pool = WorkerPool(settings.workers, self.client, self.clock, settings.health_interval_s,
                                settings.health_timeout_s, settings.hash_seed, settings.eject_after_failures,
                                settings.admission.worker_slots)
+        self.loop_lag = LoopLag()
+        self._lag_task: asyncio.Task[None] | None = None
+        self.pool.blames_loop = self.loop_lag.blames_loop
+        self.pool.connect_timeout_s = settings.upstream_connect_timeout_s
         self.policy: Policy = make_policy(settings.policy, PolicyParams(settings.affinity_epsilon, settings.cost))
         # The cost model prices background prefills and tier loads whatever the routing policy; when it
         # routes too, it is the same object, so PATCH /admin/policy changes both at once.
@@ -169,7 +174,7 @@ class Gateway:
                                    bytes.fromhex(settings.request_log_key) if settings.request_log_key else None)
         self.router = router = Router(self.pool, self.policy, self.prefix, self.tiers, self.clock, m)
         self.upstream = make_upstream(settings.upstream_client, self.client, settings.upstream_connect_timeout_s,
-                                      settings.upstream_read_timeout_s)
+                                      settings.upstream_read_timeout_s, settings.upstream_keepalive_s)
         # The endpoint picker (kvgate/epp) relays and records responses Envoy forwards with the same objects.
         self.relay = Relay(self.pool, self.clock, m, recorder, self.policy.name, self.requests)
         sender = Sender(settings, router, self.upstream, self.clock, m, self.relay)
@@ -177,7 +182,7 @@ class Gateway:
             m.registry.register(AdmissionCollector(self.admission))
         self.proxy = Proxy(Preparer(settings, self.pool, self.turns, self.prompts, self.runtime, m, router.holder,
                                     self.prompt_limits, self.admission, self.grouping),
-                           sender, m, self.tracing, self.auth)
+                           sender, m, self.tracing, self.auth, self._shed)
         m.registry.register(PrefixCollector(
             self.prefix.events.stats, {"precise": self.prefix.index, "approximate": self.prefix.approx.index},
             lambda: self.prompts.parity_failures))
@@ -203,7 +208,12 @@ class Gateway:
                     return [int(t) for t in toks]
         return None
 
+    def _shed(self) -> bool:
+        lag_ms = self.settings.overload_shed_lag_ms
+        return lag_ms is not None and self.loop_lag.overloaded(lag_ms / 1000)
+
     async def start(self) -> None:
+        self._lag_task = asyncio.create_task(self.loop_lag.run(), name="kvgate-loop-lag")
         await self.auth.start()
         await self.pool.check_all()  # know who is healthy before the first request
         await learn_context(self.prompt_limits, self.client, ((w.config.model, w.config.url) for w in self.pool.all()))
@@ -231,6 +241,8 @@ class Gateway:
                              "kv_events": w.config.kv_events is not None} for w in self.pool.all()]}
 
     async def stop(self) -> None:
+        if self._lag_task is not None:
+            self._lag_task.cancel()
         await self.auth.stop()
         if self.admission is not None:
             await self.admission.aclose()

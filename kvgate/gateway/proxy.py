@@ -15,7 +15,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from kvgate.admission.gate import Ticket
-from kvgate.errors import ApiError, BadRequest
+from kvgate.errors import ApiError, BadRequest, ServiceUnavailable
 from kvgate.gateway.auth import Authenticator, Principal, require
 from kvgate.gateway.exchange import PATHS, ClientGone, Endpoint, Prepared
 from kvgate.gateway.front import Front
@@ -29,7 +29,10 @@ log = logging.getLogger(__name__)
 
 class Proxy:
     def __init__(self, preparer: Preparer, sender: Sender, metrics: GatewayMetrics, tracing: Tracing | None = None,
-                 auth: Authenticator | None = None) -> None:
+                 auth: Authenticator | None = None, shed: Callable[[], bool] | None = None) -> None:
+        self.shed = shed
+        """True while kvgate's own event loop runs late (gateway/looplag.py): new requests are refused
+        before anything is spent on them."""
         self.auth = auth
         self.preparer = preparer
         self.sender = sender
@@ -42,6 +45,10 @@ class Proxy:
         ticket: Ticket | None = None
         resp: Response | None = None
         try:
+            if self.shed is not None and self.shed():
+                self.metrics.shed.inc()
+                raise ServiceUnavailable("kvgate is overloaded; retry later.", code="overloaded",
+                                         headers={"Retry-After": str(self.preparer.settings.retry_after_s)})
             principal = require(self.auth, request.headers, proxy=True) if self.auth is not None else None
             try:
                 translate = None if front is None else self._translator(front, request, principal)

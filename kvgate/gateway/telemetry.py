@@ -187,6 +187,8 @@ class GatewayMetrics:
         self.conversation_source = Counter("kvgate_conversation_id_source",
                                            "How each request's conversation was identified.", ["source"],
                                            registry=r)
+        self.shed = Counter("kvgate_requests_shed", "Requests refused with 503 overloaded because kvgate's own "
+                            "event loop ran later than overload_shed_lag_ms.", registry=r)
         self.regrouped = Counter("kvgate_conversations_regrouped",
                                  "Keyless requests whose derived key named no conversation, found in the one their "
                                  "messages were filed under (a compaction or rewind).", registry=r)

@@ -62,23 +62,33 @@ class Upstream(Protocol):
 
 
 class AiohttpUpstream:
-    def __init__(self, connect_timeout_s: float, read_timeout_s: float, max_connections: int = 2000) -> None:
+    def __init__(self, connect_timeout_s: float, read_timeout_s: float, max_connections: int = 2000,
+                 keepalive_s: float = 4.0) -> None:
         self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=read_timeout_s)
         self._max_connections = max_connections
+        self._keepalive_s = keepalive_s
         self._session: aiohttp.ClientSession | None = None  # made on the event loop, at first use
 
     def _open(self) -> aiohttp.ClientSession:
         if self._session is None:
             # aiohttp sets TCP_NODELAY itself (see make_client for why that matters).
             connector = aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0,
-                                             family=socket.AF_UNSPEC)
+                                             family=socket.AF_UNSPEC, keepalive_timeout=self._keepalive_s)
             self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout,
                                                   skip_auto_headers=("User-Agent",))
         return self._session
 
     async def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> UpstreamResponse:
         try:
-            resp = await self._open().post(url, data=body, headers=dict(headers))
+            try:
+                resp = await self._open().post(url, data=body, headers=dict(headers))
+            except _IDLE_CLOSED as exc:
+                if isinstance(exc, aiohttp.ClientConnectorError):
+                    raise
+                # The keep-alive race: the worker closed the pooled connection as the request went out on
+                # it, before answering anything. Nothing ran (the engine aborts a request whose connection
+                # is gone), so it is sent once more, on a new connection.
+                resp = await self._open().post(url, data=body, headers=dict(headers))
         except aiohttp.ClientConnectorError as exc:
             raise NotSent(exc, "ConnectError") from exc
         except aiohttp.ConnectionTimeoutError as exc:
@@ -90,6 +100,12 @@ class AiohttpUpstream:
     async def aclose(self) -> None:
         if self._session is not None:
             await self._session.close()
+
+
+_IDLE_CLOSED = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+"""What sending on a connection the peer has just closed raises (EOF before a status line; ECONNRESET or
+EPIPE on the write). A ``ClientConnectorError`` — a new connection refused — is a ``ClientOSError`` too,
+but it is raised before the request went anywhere and is not retried here."""
 
 
 def _aiohttp_lost(exc: BaseException) -> Lost:
@@ -178,7 +194,7 @@ class _HttpxResponse:
 
 
 def make_upstream(kind: Literal["aiohttp", "httpx"], client: httpx.AsyncClient, connect_timeout_s: float,
-                  read_timeout_s: float) -> Upstream:
+                  read_timeout_s: float, keepalive_s: float = 4.0) -> Upstream:
     if kind == "httpx":
         return HttpxUpstream(client)
-    return AiohttpUpstream(connect_timeout_s, read_timeout_s)
+    return AiohttpUpstream(connect_timeout_s, read_timeout_s, keepalive_s=keepalive_s)

@@ -138,6 +138,13 @@ class WorkerPool:
         """(worker, signal) -> restarts detected by the health poll (process_restarted, readmitted)."""
         self._on_restart: list[Callable[[WorkerId], None]] = []
         self._departed: OrderedDict[WorkerId, WorkerState] = OrderedDict()
+        self.blames_loop: Callable[[float], bool] = lambda timeout_s: False
+        """Whether a timeout of this many seconds that just fired is kvgate's own late event loop's
+        (gateway/looplag.py): then it is no evidence against the worker."""
+        self.connect_timeout_s = 3.0
+        """The proxied requests' connect timeout (a ``ConnectTimeout`` failure is judged against it)."""
+        self.loop_blamed = 0
+        """Timeouts not counted against a worker because the loop was late."""
         """Workers that left, kept (bounded) so late accounting calls and lookups still find them."""
         self._client = client
         self._clock = clock
@@ -278,8 +285,13 @@ class WorkerPool:
         """A request failed at this worker (passive check). ``kind``: the httpx error's class name or the
         proxy's label; a refused connection ejects at once, anything else counts toward ``fall``."""
         w = self._workers.get(wid)
-        if w is not None and not w.draining:
-            self._failure(w, error, hard=kind in _HARD_FAILURES)
+        if w is None or w.draining:
+            return
+        if kind == "ConnectTimeout" and self.blames_loop(self.connect_timeout_s):
+            self.loop_blamed += 1
+            log.info("worker %s: connect timeout while kvgate's event loop ran late; not counted", wid)
+            return
+        self._failure(w, error, hard=kind in _HARD_FAILURES)
 
     def _failure(self, w: WorkerState, error: str, hard: bool) -> None:
         w.last_error = error
@@ -302,7 +314,10 @@ class WorkerPool:
         try:
             r = await self._client.get(f"{w.config.url}/health", timeout=self._timeout)
         except httpx.HTTPError as exc:
-            self._failure(w, f"/health: {exc!r}", hard=type(exc).__name__ in _HARD_FAILURES)
+            if isinstance(exc, httpx.TimeoutException) and self.blames_loop(self._timeout):
+                self.loop_blamed += 1
+            else:
+                self._failure(w, f"/health: {exc!r}", hard=type(exc).__name__ in _HARD_FAILURES)
             w.last_check = self._clock.now()
             return
         if r.status_code != 200:
@@ -356,7 +371,11 @@ class WorkerPool:
             if learned is None or learned == getattr(w, f"learned_{field_}"):
                 continue
             setattr(w, f"learned_{field_}", learned)
-            if learned != configured:
+            if learned != configured and field_ not in c.model_fields_set:
+                # Left at its default, the value was never a claim about this worker: learning it is the
+                # normal path (a CPU vLLM or the simulator hashes 128-token blocks), not a mistake.
+                log.info("worker %s publishes %s=%s; using it", w.id, field_, learned)
+            elif learned != configured:
                 self.mismatches[(w.id, field_)] = self.mismatches.get((w.id, field_), 0) + 1
                 log.warning("WORKER CONFIG MISMATCH: worker %s publishes %s=%s but kvgate is configured with "
                             "%s; using the worker's value", w.id, field_, learned, configured)
