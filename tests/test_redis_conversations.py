@@ -99,6 +99,24 @@ async def test_a_replica_reads_the_body_only_when_it_changed(store_url: tuple[st
     await b.close()
 
 
+async def test_the_bodies_a_replica_keeps_are_bounded_by_bytes() -> None:
+    """Fails on a0afb21: 10,000 bodies were kept whatever their size."""
+    prefix = f"kvgate-test:{uuid.uuid4().hex[:8]}:"
+    store = RedisConversationStore(URL, prefix=prefix, cached_bytes=1 << 20)
+    big = {"role": "user", "content": "x" * 200_000}
+    for i in range(10):
+        cid = ConversationId(f"big-{i}")
+        await store.update(cid, lambda cur, cid=cid: Conversation(cid).with_reply(  # type: ignore[misc]
+            "m", (big,), {"role": "assistant", "content": "a"}, None, None, None, Limits()))
+    assert store.stats()["cached_bytes"] <= 1 << 20 and 2 <= store.stats()["cached_bodies"] <= 5
+    got = await store.get(ConversationId("big-0"))  # no longer kept: read whole again
+    assert got is not None and got.history[0] == big
+    r = aioredis.from_url(URL)
+    await r.delete(*[k async for k in r.scan_iter(match=prefix + "*")])
+    await r.aclose()
+    await store.close()
+
+
 async def test_two_schema_versions_share_one_redis() -> None:
     """A newer replica writes a field this one does not know; this one updates the record and the
     newer replica still finds its field."""

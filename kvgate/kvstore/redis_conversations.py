@@ -29,7 +29,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError, ResponseError
 
 from kvgate.kvstore.codec import CodecError, decode, encode_body, encode_head, with_body
-from kvgate.kvstore.conversations import UNREAD, StoreError, Updater
+from kvgate.kvstore.conversations import UNREAD, StoreError, Updater, held_bytes
 from kvgate.kvstore.corrupt import Corruption
 from kvgate.router.types import ConversationId
 from kvgate.session.conversation import Conversation
@@ -100,16 +100,20 @@ def _version(raw: bytes | None) -> int | None:
 
 class RedisConversationStore:
     def __init__(self, url: str, ttl_s: float = 3600.0, prefix: str = "kvgate:", *, cluster: bool = False,
-                 timeout_s: float = 0.5, max_retries: int = 16, cached_bodies: int = 10_000) -> None:
+                 timeout_s: float = 0.5, max_retries: int = 16, cached_bodies: int = 10_000,
+                 cached_bytes: int = 256 << 20) -> None:
         self._r = connect(url, cluster, timeout_s)
         self._ttl_ms = int(ttl_s * 1000)
         self._prefix = prefix
         self._cas = self._r.register_script(_CAS)
         self._retries = max_retries
         self._max_cached = cached_bodies
-        self._bodies: OrderedDict[ConversationId, Conversation] = OrderedDict()
-        """The last record this replica read or wrote with its body, by conversation (LRU): its body is
-        reused while the body generation in Redis is the same."""
+        self._bodies: OrderedDict[ConversationId, tuple[Conversation, int]] = OrderedDict()
+        """The last record this replica read or wrote with its body and the bytes it holds, by
+        conversation (LRU, bounded by count and by bytes): its body is reused while the body generation
+        in Redis is the same."""
+        self._max_cached_bytes = cached_bytes
+        self._cached_bytes = 0
         self.corruption = Corruption()
         self.round_trips = 0
         self.bytes_read = 0
@@ -130,7 +134,8 @@ class RedisConversationStore:
 
     async def _read(self, cid: ConversationId, refresh: bool) -> _Read:
         head_key, body_key = self._keys(cid)
-        cached = self._bodies.get(cid)
+        entry = self._bodies.get(cid)
+        cached = entry[0] if entry is not None else None
         async with self._r.pipeline(transaction=False) as p:
             p.hmget(head_key, ["ver", "data"])
             if cached is None:
@@ -148,7 +153,7 @@ class RedisConversationStore:
                                  "the head key holds another Redis type")
         ver, head = res[0]
         if head is None:
-            self._bodies.pop(cid, None)
+            self._forget(cid)
             return _Read(b"0", None) if ver is None else self._corrupt(cid, ver, "a head without data")
         if _version(ver) is None:
             return self._corrupt(cid, ver, "its version is not a number")
@@ -177,15 +182,22 @@ class RedisConversationStore:
             return self._corrupt(cid, ver or b"0", str(exc))
 
     def _corrupt(self, cid: ConversationId, token: bytes, reason: str) -> _Read:
-        self._bodies.pop(cid, None)
+        self._forget(cid)
         self.corruption.found("conversation", cid, reason)
         return _Read(token, None, reason)
 
     def _remember(self, conv: Conversation) -> None:
-        self._bodies[conv.id] = conv
-        self._bodies.move_to_end(conv.id)
-        while len(self._bodies) > self._max_cached:
-            self._bodies.popitem(last=False)
+        self._forget(conv.id)
+        size = held_bytes(conv)
+        self._bodies[conv.id] = (conv, size)
+        self._cached_bytes += size
+        while self._bodies and (len(self._bodies) > self._max_cached or self._cached_bytes > self._max_cached_bytes):
+            self._forget(next(iter(self._bodies)))
+
+    def _forget(self, cid: ConversationId) -> None:
+        entry = self._bodies.pop(cid, None)
+        if entry is not None:
+            self._cached_bytes -= entry[1]
 
     async def get(self, cid: ConversationId) -> Conversation | None:
         """The record; None when there is none or it is corrupt (the request is then served as a new
@@ -236,7 +248,7 @@ class RedisConversationStore:
             await self._call(p.execute())
 
     async def delete(self, cid: ConversationId) -> bool:
-        self._bodies.pop(cid, None)
+        self._forget(cid)
         head_key, body_key = self._keys(cid)
         return bool(await self._call(self._r.delete(head_key, body_key)))
 
@@ -254,7 +266,8 @@ class RedisConversationStore:
             return None
 
     def stats(self) -> dict[str, int]:
-        return {"cached_bodies": len(self._bodies), "round_trips": self.round_trips, "bytes_read": self.bytes_read,
+        return {"cached_bodies": len(self._bodies), "cached_bytes": self._cached_bytes,
+                "round_trips": self.round_trips, "bytes_read": self.bytes_read,
                 "bytes_written": self.bytes_written}
 
     async def close(self) -> None:
