@@ -271,16 +271,23 @@ class SessionRuntime:
             await self.execute(t.conversation, done[0], done[1].commands)
 
     async def _run(self) -> None:
+        last_error = ""
         while True:
             try:
                 await self.tick()
             except StoreError as exc:
                 self.metrics.session_store_errors.inc()
                 log.warning("session runtime tick: %s", exc)
-            except Exception:
+            except Exception as exc:
                 # The loop is every replica's timers and reservations: whatever one tick met (a value in
-                # the shared store no version wrote), the next tick runs.
-                log.exception("session runtime tick failed")
+                # the shared store no version wrote), the next tick runs. Logged when it changes, not
+                # ten times a second.
+                self.metrics.session_store_errors.inc()
+                if repr(exc) != last_error:
+                    log.exception("session runtime tick failed")
+                last_error = repr(exc)
+            else:
+                last_error = ""
             await asyncio.sleep(self.tick_s)
 
     def start(self) -> None:
