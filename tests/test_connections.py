@@ -125,6 +125,21 @@ async def test_headers_of_exactly_the_limit_pass(server: ServerHandle, size: int
     writer.close()
 
 
+async def test_a_body_in_the_same_write_as_its_headers_is_not_counted_as_headers(server: ServerHandle) -> None:
+    reader, writer = await _connect(server)
+    body = b"b" * 20000  # over the header limit, arriving in one piece with the headers
+    writer.write(b"POST /upload HTTP/1.1\r\nhost: t\r\ncontent-length: 20000\r\n\r\n" + body)
+    # Then two pipelined requests in one write: each is counted from its own start.
+    writer.write(_get("/ping", 6000) + _get("/ping", 6000))
+    got = b""
+    while got.count(b"HTTP/1.1 200 ") < 3:
+        chunk = await asyncio.wait_for(reader.read(65536), WAIT_S)
+        assert chunk, got
+        got += chunk
+    assert b'{"bytes":20000}' in got and b"431" not in got
+    writer.close()
+
+
 async def test_over_the_cap_the_idlest_connection_is_shed_and_health_answers(server: ServerHandle) -> None:
     idle = [await _connect(server) for _ in range(LIMITS.max_connections or 0)]
     await _connections(server, len(idle))
