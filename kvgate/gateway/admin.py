@@ -68,7 +68,7 @@ def admin_routes(gw: Gateway) -> APIRouter:
 
     def policy_view() -> dict[str, Any]:
         rt = gw.runtime
-        return {"policy": gw.policy.name, "cost": gw.cost.params.model_dump(),
+        return {"policy": gw.policy.name, "version": gw.policy_sync.version, "cost": gw.cost.params.model_dump(),
                 "waits": rt.learned.waits.params.model_dump(), "prefill": rt.controller.params.prefill.model_dump()}
 
     def operator(request: Request) -> Principal:
@@ -89,7 +89,8 @@ def admin_routes(gw: Gateway) -> APIRouter:
         reason = changes.get("reason") if isinstance(changes, dict) else None
         try:
             # Validated whole, then swapped in at once (kvgate/gateway/policyedit.py, shared with gRPC).
-            change = gw.policy_log.apply(gw.policy_target, sections, _who(request, who), "http", str(reason or ""))
+            # Versioned in the shared store first, so every replica applies it (gateway/policysync.py).
+            change = await gw.policy_sync.publish(sections, _who(request, who), "http", str(reason or ""))
         except ApiError as exc:
             return exc.response()
         log.info("policy parameters changed by %s: %s", change.who, sections)

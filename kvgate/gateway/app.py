@@ -38,6 +38,7 @@ from kvgate.gateway.kvevents import KvEventSubscriber, SubscriberCollector
 from kvgate.gateway.looplag import LoopLag
 from kvgate.gateway.membership import Membership
 from kvgate.gateway.policyedit import GatewayPolicy, PolicyLog
+from kvgate.gateway.policysync import PolicySync
 from kvgate.gateway.prefix import PrefixKnowledge
 from kvgate.gateway.prepare import Preparer
 from kvgate.gateway.prompts import PromptBuilder
@@ -58,6 +59,7 @@ from kvgate.grpc.server import start_grpc
 from kvgate.kvstore.conversations import ConversationStore, MemoryConversationStore
 from kvgate.kvstore.fleet import FleetStore, MemoryFleet
 from kvgate.kvstore.grouping import GroupingIndex, MemoryGroupingIndex, RedisGroupingIndex
+from kvgate.kvstore.policy import MemoryPolicyStore, PolicyStore, RedisPolicyStore
 from kvgate.kvstore.redis_conversations import RedisConversationStore
 from kvgate.kvstore.redis_fleet import RedisFleet
 from kvgate.router.cost import CostModel
@@ -88,6 +90,13 @@ def make_stores(settings: GatewaySettings, clock: Clock) -> tuple[ConversationSt
                 RedisFleet(settings.redis_url, settings.redis_prefix, cluster=settings.redis_cluster))
     return (MemoryConversationStore(clock, settings.session_ttl_s, settings.max_sessions, settings.max_store_bytes),
             MemoryFleet())
+
+
+def make_policy_store(settings: GatewaySettings) -> PolicyStore:
+    """Where policy edits are versioned: the replicas' shared Redis, or this process alone."""
+    if settings.session_store == "redis":
+        return RedisPolicyStore(settings.redis_url, settings.redis_prefix, cluster=settings.redis_cluster)
+    return MemoryPolicyStore()
 
 
 def make_grouping(settings: GatewaySettings) -> GroupingIndex | None:
@@ -168,6 +177,7 @@ class Gateway:
                                       wall, tick_s=settings.timer_tick_s, lease_s=settings.timer_lease_s,
                                       tracing=self.tracing, budgets=budgets)
         self.policy_target = GatewayPolicy(self.cost, self.runtime)
+        self.policy_sync = PolicySync(make_policy_store(settings), self.policy_target, self.policy_log)
         self.grouping = make_grouping(settings)
         self.recorder = recorder = Recorder(self.runtime, self.turns, self.tiers, m, self.policy.name, self.grouping)
         self.requests = RequestLog(settings.request_log, settings.request_log_max_bytes, settings.request_log_backups,
@@ -223,6 +233,7 @@ class Gateway:
             await self.prompts.check_parity(model)
         if self.membership is not None:
             await self.membership.start(first_timeout_s=10.0)
+        await self.policy_sync.start()  # the fleet's parameters before the first request
         self.pool.start()
         self.runtime.start()
         if self.admission is not None:
@@ -246,6 +257,8 @@ class Gateway:
         await self.auth.stop()
         if self.admission is not None:
             await self.admission.aclose()
+        await self.policy_sync.stop()
+        await self.policy_sync.store.close()
         await self.runtime.aclose()
         await asyncio.to_thread(self.requests.close)
         await self.tiers.aclose()

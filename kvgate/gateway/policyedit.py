@@ -48,6 +48,8 @@ class PolicyChange:
     """"http" or "grpc"."""
     changes: tuple[FieldChange, ...]
     reason: str = ""
+    version: int = 0
+    """The fleet's policy version this change made (gateway/policysync.py); 0 before any."""
 
 
 class PolicyTarget(Protocol):
@@ -172,16 +174,26 @@ class PolicyLog:
             if not isinstance(changes, dict):
                 raise BadRequest('expected {"cost": {field: value}}', param="cost", code="invalid_type")
             target, changes = CostOnly(target), {"cost": changes}
+        change, new = self.prepare(target, changes, who, via, reason)
+        self.commit(target, new, change)
+        return change
+
+    @staticmethod
+    def prepare(target: PolicyTarget, changes: Any, who: str, via: str, reason: str = "", at: float | None = None
+                ) -> tuple[PolicyChange, dict[str, BaseModel]]:
+        """The change ``changes`` makes to ``target``'s parameters, validated, and the sections it makes;
+        nothing is touched."""
         old = target.current()
         new = validate(old, changes)
         diff = tuple(FieldChange(k if section == "cost" else f"{section}.{k}", getattr(old[section], k),
                                  getattr(model, k))
                      for section, model in new.items() for k in type(model).model_fields
                      if getattr(old[section], k) != getattr(model, k))
+        return PolicyChange(time.time() if at is None else at, who, via, diff, reason[:MAX_REASON]), new
+
+    def commit(self, target: PolicyTarget, new: dict[str, BaseModel], change: PolicyChange) -> None:
         target.swap(new)
-        change = PolicyChange(time.time(), who, via, diff, reason[:MAX_REASON])
         self._changes.append(change)
-        return change
 
     def recent(self, limit: int = 0) -> list[PolicyChange]:
         items = list(self._changes)

@@ -55,7 +55,7 @@ def cost_changes(msg: ppb.CostParams) -> dict[str, float | int]:
 
 
 def change_pb(c: PolicyChange) -> ppb.PolicyChange:
-    return ppb.PolicyChange(time=c.at, who=c.who, via=c.via, reason=c.reason,
+    return ppb.PolicyChange(time=c.at, who=c.who, via=c.via, reason=c.reason, version=c.version,
                             changes=[ppb.FieldChange(field=f.field, old_value=_number(f.old), new_value=_number(f.new))
                                      for f in c.changes])
 

@@ -101,7 +101,8 @@ class PolicyService(pgrpc.PolicyServicer):
         self.gw = gw
 
     def _state(self) -> ppb.PolicyState:
-        return ppb.PolicyState(policy=self.gw.policy.name, cost=cost_pb(self.gw.cost.params))
+        return ppb.PolicyState(policy=self.gw.policy.name, cost=cost_pb(self.gw.cost.params),
+                               version=self.gw.policy_sync.version)
 
     async def GetPolicy(self, request: ppb.GetPolicyRequest, context: Context) -> ppb.PolicyState:
         return self._state()
@@ -112,8 +113,8 @@ class PolicyService(pgrpc.PolicyServicer):
         async def apply() -> ppb.UpdatePolicyResponse:
             if not changes:
                 raise BadRequest("no cost field set: name the fields to change", param="cost", code="empty_update")
-            change = self.gw.policy_log.apply(self.gw.cost, changes, principal_of(context, self.gw.auth).name, "grpc",
-                                              request.reason)
+            change = await self.gw.policy_sync.publish({"cost": changes}, principal_of(context, self.gw.auth).name,
+                                                       "grpc", request.reason)
             return ppb.UpdatePolicyResponse(state=self._state(), change=change_pb(change))
 
         return await answer(context, apply())

@@ -235,9 +235,14 @@ class PolicyState(_message.Message):
 
     POLICY_FIELD_NUMBER: _builtins.int
     COST_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
     policy: _builtins.str
     """The routing policy in force (cost_model, session_affinity, least_loaded, round_robin). The cost
     model also prices background prefills and tier loads when it does not route.
+    """
+    version: _builtins.int
+    """The fleet's policy version these parameters are: every edit, on any replica sharing the store,
+    makes the next one, and every replica applies it within a quarter of a second (0: no edit yet).
     """
     @_builtins.property
     def cost(self) -> Global___CostParams:
@@ -248,10 +253,11 @@ class PolicyState(_message.Message):
         *,
         policy: _builtins.str = ...,
         cost: Global___CostParams | None = ...,
+        version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["cost", b"cost"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cost", b"cost", "policy", b"policy"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cost", b"cost", "policy", b"policy", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -357,6 +363,7 @@ class PolicyChange(_message.Message):
     VIA_FIELD_NUMBER: _builtins.int
     CHANGES_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
     time: _builtins.float
     """Wall time of the change, seconds since the epoch."""
     who: _builtins.str
@@ -367,6 +374,8 @@ class PolicyChange(_message.Message):
     """Through which API: "grpc" or "http"."""
     reason: _builtins.str
     """The reason given with the change."""
+    version: _builtins.int
+    """The fleet's policy version the change made ("fleet" changes: the version this replica applied)."""
     @_builtins.property
     def changes(self) -> _containers.RepeatedCompositeFieldContainer[Global___FieldChange]:
         """The fields whose values changed (a field set to its current value is not listed)."""
@@ -379,10 +388,11 @@ class PolicyChange(_message.Message):
         via: _builtins.str = ...,
         changes: _abc.Iterable[Global___FieldChange] | None = ...,
         reason: _builtins.str = ...,
+        version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["changes", b"changes", "reason", b"reason", "time", b"time", "via", b"via", "who", b"who"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changes", b"changes", "reason", b"reason", "time", b"time", "version", b"version", "via", b"via", "who", b"who"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
