@@ -87,8 +87,12 @@ class AiohttpUpstream:
                     raise
                 # The keep-alive race: the worker closed the pooled connection as the request went out on
                 # it, before answering anything. Nothing ran (the engine aborts a request whose connection
-                # is gone), so it is sent once more, on a new connection.
-                resp = await self._open().post(url, data=body, headers=dict(headers))
+                # is gone), so it is sent once more, on a new connection, to the same worker. If that worker
+                # is not there any more, the request may be what ended it: lost, not for the next worker.
+                try:
+                    resp = await self._open().post(url, data=body, headers=dict(headers))
+                except aiohttp.ClientConnectorError as gone:
+                    raise _aiohttp_lost(exc) from gone
         except aiohttp.ClientConnectorError as exc:
             raise NotSent(exc, "ConnectError") from exc
         except aiohttp.ConnectionTimeoutError as exc:
