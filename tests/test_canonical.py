@@ -137,3 +137,82 @@ def test_every_profile_on_a_crafted_conversation(name: str) -> None:
     assert [c["function"]["arguments"] for c in out.messages[2]["tool_calls"]] == ['{"q": 1}', '{"q": 2}']
     keep = canonicalize(msgs, PROFILES[name], [], words)
     assert keep.messages[5][field] == "because" and keep.reasoning_changed == []
+
+
+# What real vLLM (0.32, hermes / deepseek_v3 / kimi_k2 tool parsers, qwen3 / deepseek_r1 reasoning parsers)
+# answers, and clients echo, that the simulator's answers never showed (issue 24).
+
+def vllm_call(cid: str, args: str) -> dict[str, Any]:
+    return call(cid, args, name="bash")
+
+
+def test_kimi_style_ids_repeat_across_turns_and_the_meaning_decides() -> None:
+    # vLLM's Kimi-K2 ids are functions.<name>:<n>: two turns can carry the same id.
+    first = {"role": "assistant", "content": "", "reasoning": "look first",
+             "tool_calls": [vllm_call("functions.bash:0", '{"command": "ls -la", "timeout": 5}')]}
+    second = {"role": "assistant", "content": "", "reasoning": "then test",
+              "tool_calls": [vllm_call("functions.bash:0", '{"command": "pytest -q", "timeout": 30}')]}
+    echoed = {**first, "tool_calls": [vllm_call("functions.bash:0", '{"timeout":5,"command":"ls -la"}')]}
+    assert find_exact([first, second], echoed) is first
+    out = canonicalize([{"role": "user", "content": "go"}, echoed], PROFILES["kimi-k2"], [first, second], words)
+    assert out.messages[1]["tool_calls"] == first["tool_calls"] and [r.field for r in out.restored] == [
+        "tool_calls.arguments"]
+
+
+def test_rewritten_ids_are_matched_by_meaning_and_kept() -> None:
+    # A client that renumbers tool-call ids (call_0, ...) and re-dumps the arguments: the exact arguments
+    # come back, with the client's ids (its tool results name them).
+    exact = {"role": "assistant", "content": "", "reasoning": "r",
+             "tool_calls": [vllm_call("chatcmpl-tool-9f0a6e0a8ed54f77", '{"command": "cat setup.py", "timeout": 30}')]}
+    echoed = {"role": "assistant", "content": None,
+              "tool_calls": [vllm_call("call_0", '{"timeout": 30, "command": "cat setup.py"}')]}
+    out = canonicalize([{"role": "user", "content": "go"}, echoed], PROFILES["qwen3"], [exact], words)
+    tc = out.messages[1]["tool_calls"][0]
+    assert tc["id"] == "call_0" and tc["function"]["arguments"] == '{"command": "cat setup.py", "timeout": 30}'
+    assert out.messages[1]["reasoning"] == "r"
+    assert sorted(r.field for r in out.restored) == ["reasoning_omitted", "tool_calls.arguments"]
+
+
+def test_a_repeated_call_with_other_reasoning_is_not_guessed() -> None:
+    a = {"role": "assistant", "content": "", "reasoning": "one", "tool_calls": [vllm_call("x", '{"q": 1}')]}
+    b = {"role": "assistant", "content": "", "reasoning": "two", "tool_calls": [vllm_call("y", '{"q": 1}')]}
+    assert find_exact([a, b], {"role": "assistant", "tool_calls": [vllm_call("z", '{"q":1}')]}) is None
+    assert find_exact([a, b], {"role": "assistant", "tool_calls": [vllm_call("y", '{"q":1}')]}) is b
+
+
+def test_blank_content_before_a_tool_call_is_restored() -> None:
+    # The hermes parser returns the model's "\n\n" before <tool_call> as content; clients send "" or null.
+    exact = {"role": "assistant", "content": "\n\n", "reasoning": "r",
+             "tool_calls": [vllm_call("t1", '{"command": "ls -la", "timeout": 5}')]}
+    for blank in ("", None):
+        echoed = {"role": "assistant", "content": blank, "reasoning": "r",
+                  "tool_calls": [vllm_call("t1", '{"timeout": 5, "command": "ls -la"}')]}
+        out = canonicalize([{"role": "user", "content": "go"}, echoed], PROFILES["qwen3"], [exact], words)
+        assert out.messages[1]["content"] == "\n\n"
+        assert [r.field for r in out.restored] == ["tool_calls.arguments", "content"]
+    # Content that says something is never taken for blank.
+    said = {"role": "assistant", "content": "I will look.", "tool_calls": exact["tool_calls"]}
+    assert reserialization(said, exact) is None
+
+
+def test_a_reply_that_is_all_reasoning_is_found_by_its_reasoning() -> None:
+    # max_tokens ended the reply inside its thought: vLLM answers content null, reasoning "...".
+    exact = {"role": "assistant", "content": "", "reasoning": "still thinking about"}
+    moved = {"role": "assistant", "content": None, "reasoning_content": "still thinking about"}
+    out = canonicalize([{"role": "user", "content": "go"}, moved], PROFILES["qwen3"], [exact], words)
+    assert out.messages[1]["reasoning"] == "still thinking about"
+    assert [r.field for r in out.restored] == ["reasoning_field:reasoning_content"]
+    # Empty and without reasoning, it names no reply.
+    assert find_exact([exact], {"role": "assistant", "content": None}) is None
+
+
+def test_copies_of_one_reply_are_one_reply() -> None:
+    # Clients without a conversation key that share their first messages share a conversation: its record
+    # then holds copies of one reply (same prompt, same seed), which are not ambiguous.
+    a = {"role": "assistant", "content": "Found it.", "reasoning": "r"}
+    assert find_exact([a, dict(a)], {"role": "assistant", "content": "Found it."}) == a
+
+
+def test_content_parts_are_the_text_they_carry() -> None:
+    echoed = {"role": "assistant", "content": [{"type": "text", "text": "Found it."}]}
+    assert find_exact(store(), echoed) is EXACT_2

@@ -57,12 +57,32 @@ def _args(call: Mapping[str, Any]) -> Any:
 
 
 def _calls(m: Mapping[str, Any]) -> list[tuple[Any, Any]]:
-    return [((c.get("function") or {}).get("name"), _args(c)) for c in m.get("tool_calls") or []]
+    return [((c.get("function") or {}).get("name"), _args(c)) for c in _tool_calls(m)]
+
+
+def _tool_calls(m: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    calls = m.get("tool_calls")
+    return [c for c in calls if isinstance(c, Mapping)] if isinstance(calls, list) else []
+
+
+def _ids(m: Mapping[str, Any]) -> list[Any]:
+    return [c.get("id") for c in _tool_calls(m)]
+
+
+def _text(m: Mapping[str, Any]) -> str:
+    """The text the template renders: content parts joined, null as empty."""
+    c = m.get("content")
+    if isinstance(c, list):
+        return "".join(p["text"] for p in c if isinstance(p, Mapping) and p.get("type", "text") == "text"
+                       and isinstance(p.get("text"), str))
+    return c if isinstance(c, str) else ""
 
 
 def _content(m: Mapping[str, Any]) -> str:
-    c = m.get("content")
-    return c if isinstance(c, str) else ""
+    """What the content says: vLLM answers a tool call with content "" (the simulator with null) and the
+    hermes parser with the whitespace the model wrote before ``<tool_call>``; clients echo any of these."""
+    t = _text(m)
+    return t if t.strip() else ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,25 +108,51 @@ def reserialization(client: Mapping[str, Any], exact: Mapping[str, Any]) -> list
         return None  # the reasoning itself was edited: the client's choice, kept
     elif r_client is not None and f_client != "reasoning" and f_client is not None:
         diffs.append(f"reasoning_field:{f_client}")
-    ex_args = [(c.get("function") or {}).get("arguments") for c in exact.get("tool_calls") or []]
-    cl_args = [(c.get("function") or {}).get("arguments") for c in client.get("tool_calls") or []]
+    ex_args = [(c.get("function") or {}).get("arguments") for c in _tool_calls(exact)]
+    cl_args = [(c.get("function") or {}).get("arguments") for c in _tool_calls(client)]
     if ex_args != cl_args:
         diffs.append("tool_calls.arguments")
+    if _text(client) != _text(exact):
+        diffs.append("content")  # blank content dropped or added, or sent as parts
     return diffs
 
 
 def find_exact(stored: Sequence[Mapping[str, Any]], client: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    """The stored reply (as the worker generated it) this client message is a copy of: by tool-call ids
-    (unique per generation), or by content when exactly one stored reply has that content — two replies
-    that read the same ("Done.") cannot be told apart, and guessing would put one turn's reasoning into
-    another."""
-    calls = client.get("tool_calls") or []
-    ids = [c.get("id") for c in calls if isinstance(c, dict) and c.get("id")]
-    if ids:
-        return next((m for m in reversed(stored) if [c.get("id") for c in m.get("tool_calls") or []] == ids), None)
+    """The stored reply (as the worker generated it) this client message is a copy of, never a guess.
+
+    With tool calls: the stored replies whose calls mean the same (names, parsed arguments), and of those
+    the ones with the client's tool-call ids. Ids alone do not tell (vLLM's Kimi-K2 ids are
+    ``functions.<name>:<n>``, and clients renumber ids), meaning alone does not either when an agent
+    repeats a call; so the ids decide when they match, the meaning when they match nothing. Without tool
+    calls: by content, or by reasoning when the reply had no content (vLLM with a reasoning parser answers
+    a reply cut short in its thought with content null). Whatever matches must be one reply, or copies
+    of one — two replies that read the same ("Done.") but thought differently cannot be told apart, and
+    guessing would put one turn's reasoning into another."""
+    calls = _calls(client)
+    if calls:
+        same = [m for m in stored if _calls(m) == calls]
+        ids = _ids(client)
+        by_id = [m for m in same if any(ids) and _ids(m) == ids]
+        return _one(by_id) if by_id else _one(same)
     text = _content(client)
-    same = [m for m in stored if not m.get("tool_calls") and text and _content(m) == text]
-    return same[0] if len(same) == 1 else None
+    thought, _ = reasoning_of(client)
+    if not text and thought is None:
+        return None  # an empty message says nothing about which reply it is
+    return _one([m for m in stored if not _tool_calls(m) and _content(m) == text
+                 and (thought is None or reasoning_of(m)[0] == thought)])
+
+
+def _one(candidates: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """The candidate, if all candidates are the same reply (a conversation may hold copies of one)."""
+    if not candidates or any(_reply_form(c) != _reply_form(candidates[0]) for c in candidates[1:]):
+        return None
+    return candidates[-1]
+
+
+def _reply_form(m: Mapping[str, Any]) -> tuple[Any, ...]:
+    calls = [((c.get("function") or {}).get("name"), (c.get("function") or {}).get("arguments"))
+             for c in _tool_calls(m)]
+    return _text(m), reasoning_of(m)[0], calls
 
 
 @dataclass
@@ -149,7 +195,9 @@ def _exact_form(exact: Mapping[str, Any], client: Mapping[str, Any]) -> Message:
     if r is not None:
         msg["reasoning"] = r
     if exact.get("tool_calls"):
-        msg["tool_calls"] = [dict(c) for c in exact["tool_calls"]]
+        # The exact calls with the client's ids: its tool results name those (and some templates render them).
+        msg["tool_calls"] = [{**c, "id": cl.get("id", c.get("id"))}
+                             for c, cl in zip(_tool_calls(exact), _tool_calls(client), strict=False)]
     return msg
 
 
