@@ -36,11 +36,10 @@ from kvgate.epp import protocol as proto
 from kvgate.epp.endpoints import endpoint_of, outside
 from kvgate.errors import ApiError, BadRequest, PayloadTooLarge, ServiceUnavailable
 from kvgate.gateway.auth import Principal, require
+from kvgate.gateway.exchange import PATHS as ENDPOINT_PATHS
 from kvgate.gateway.exchange import Endpoint, Exchange, Prepared
 from kvgate.gateway.prepare import parse_object
-from kvgate.gateway.relay import charge_completion
 from kvgate.gateway.sse import SseSplitter
-from kvgate.gateway.telemetry import STATUS_CLIENT_CLOSED
 from kvgate.grpc.gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from kvgate.router.types import Decision, WorkerId
 
@@ -95,6 +94,8 @@ class EppStream:
         """Nothing more to answer (an immediate response went out)."""
         self.decided_at: float | None = None
         self.prepared: Prepared | None = None
+        self.trace_headers: dict[str, str] = {}
+        """The worker call's trace context (``traceparent``), set on the request Envoy forwards."""
         """Set once prepared: its admission ticket is released when the stream ends."""
 
     # -- the stream ------------------------------------------------------------------------------
@@ -137,9 +138,7 @@ class EppStream:
         if ex is None or self.finished:
             return
         self.finished = True
-        self.gw.pool.release(ex.decision.worker, ex.prefill_tokens, ex.prepared.prompt.length, ex.ttft_s is not None)
-        self.m.client_disconnects.inc()
-        self.m.count_request(ex.prepared.endpoint, STATUS_CLIENT_CLOSED)
+        self.gw.relay.end_unrecorded(ex, "cancelled", self.status)
 
     # -- request -------------------------------------------------------------------------------
     async def _request_headers(self, req: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
@@ -183,9 +182,15 @@ class EppStream:
             if self.kind is None:
                 return self._forward(await self._fallback(), bytes(self.body), changed=False)
             preparer = self.gw.proxy.preparer
+            # Traced as in proxy mode: the request's span from Envoy's traceparent, the worker call's
+            # context sent on to the worker through Envoy.
+            trace = self.gw.tracing.request(self.headers, ENDPOINT_PATHS[self.kind])
             self.prepared = p = await preparer.prepare_body(await self._json(), self.headers, self.kind,
-                                                            principal=principal, admit=preparer.admission is not None)
+                                                            principal=principal, admit=preparer.admission is not None,
+                                                            trace=trace)
             endpoints = await self._route(p)
+            assert self.ex is not None
+            self.trace_headers = p.trace.upstream(self.ex, self.gw.pool.get(self.ex.decision.worker).config, {})
             return self._forward(endpoints, p.payload, changed=True)
         except ApiError as exc:
             return self._error(exc)
@@ -265,7 +270,7 @@ class EppStream:
         return endpoint_of(workers[0].config)
 
     def _forward(self, endpoints: str, body: bytes, changed: bool) -> list[ep.ProcessingResponse]:
-        headers = {proto.DESTINATION: endpoints}
+        headers = {**self.trace_headers, proto.DESTINATION: endpoints}
         if changed:
             headers["content-length"] = str(len(body))
         mutation = self._credentials()
@@ -302,6 +307,8 @@ class EppStream:
             self._served(proto.served_of(req))
             extra = self.gw.relay.headers(self.ex) if self.ex is not None else {}
             self._status_seen()
+            if self.sse and 200 <= self.status < 300:
+                ex.prepared.trace.mark("relay")  # as the proxy's relay marks its stream's start
         out = [ep.ProcessingResponse(response_headers=ep.HeadersResponse(response=ep.CommonResponse(
             header_mutation=ep.HeaderMutation(set_headers=proto.set_headers(extra)))))]
         if req.response_headers.end_of_stream:
@@ -374,11 +381,7 @@ class EppStream:
             return []
         self.held += self._events(self.splitter.flush())
         self.finished = True
-        self.gw.pool.release(ex.decision.worker, ex.prefill_tokens, ex.prepared.prompt.length, ex.ttft_s is not None)
-        if 200 <= self.status < 300:
-            charge_completion(ex)
-            await self.gw.recorder.record(ex)
-        self.m.count_request(ex.prepared.endpoint, self.status)
+        await self.gw.relay.end(ex, "done", self.status)  # the same end as the proxy's (gateway/lifecycle.py)
         data, self.held = bytes(self.held), bytearray()
         return self._body_out(data, final, changed=True)
 
@@ -386,12 +389,13 @@ class EppStream:
         ex = self.ex
         assert ex is not None
         self.finished = True
-        # As in proxy mode: the worker is done with it; release first so what the turn's end decides (a
-        # background prefill) sees the queue without this request.
-        self.gw.pool.release(ex.decision.worker, ex.prefill_tokens)
+        # As in proxy mode: the worker is done with it; release first (with its service time) so what the
+        # turn's end decides (a background prefill) sees the queue without this request.
+        self.gw.pool.release(ex.decision.worker, ex.prefill_tokens, held_s=self.gw.clock.now() - ex.started)
         data = await self.gw.relay.unary(ex, bytes(self.held))
         self.held = bytearray()
         self.m.count_request(ex.prepared.endpoint, self.status)
+        ex.prepared.trace.finish(self.status)
         return self._body_out(data, True, changed=True)
 
     def _release_unrecorded(self) -> None:
@@ -400,8 +404,7 @@ class EppStream:
         if ex is None or self.finished:
             return
         self.finished = True
-        self.gw.pool.release(ex.decision.worker, ex.prefill_tokens, ex.prepared.prompt.length, ex.ttft_s is not None)
-        self.m.count_request(ex.prepared.endpoint, self.status or "other")
+        self.gw.relay.end_unrecorded(ex, "unread", self.status)
 
     def _body_out(self, data: bytes, end_of_stream: bool, changed: bool) -> list[ep.ProcessingResponse]:
         if self.resp_mode == proto.BUFFERED:

@@ -11,10 +11,11 @@ from typing import Any
 from kvgate.clock import Clock
 from kvgate.gateway.engine_ids import EngineIds
 from kvgate.gateway.exchange import Exchange, Usage
+from kvgate.gateway.lifecycle import Ending, Outcome, ending
 from kvgate.gateway.record import Recorder
 from kvgate.gateway.requestlog import RequestLog
 from kvgate.gateway.sse import SseEvent, SseSplitter, error_event
-from kvgate.gateway.telemetry import STATUS_CLIENT_CLOSED, STATUS_STREAM_BROKEN, GatewayMetrics
+from kvgate.gateway.telemetry import GatewayMetrics
 from kvgate.gateway.upstream import Lost, UpstreamResponse
 from kvgate.gateway.workers import WorkerPool
 
@@ -77,7 +78,7 @@ class Relay:
                      ) -> AsyncIterator[bytes]:
         ex.prepared.trace.mark("relay")
         splitter = SseSplitter()
-        outcome = "cancelled"  # until the stream ends or breaks: the client went away
+        outcome: Outcome = "cancelled"  # until the stream ends or breaks: the client went away
         w = ex.decision.worker
         try:
             chunk: bytes | None = first
@@ -102,18 +103,36 @@ class Relay:
             yield error_event(f"worker {w} failed mid-stream: {exc.kind}")
         finally:
             await upstream.close()
-            self.pool.release(w, ex.prefill_tokens, ex.prepared.prompt.length, ex.ttft_s is not None,
-                              self.clock.now() - ex.started if outcome == "done" else None)
-            ex.prepared.trace.streamed(ex, outcome)
-            if outcome == "done":
-                charge_completion(ex)
-                await self.recorder.record(ex)
-            elif outcome == "cancelled":
-                self.metrics.client_disconnects.inc()
-            status = {"done": str(upstream.status), "cancelled": STATUS_CLIENT_CLOSED,
-                      "failed": STATUS_STREAM_BROKEN}[outcome]
-            self.metrics.count_request(ex.prepared.endpoint, status)
-            ex.prepared.trace.finish(status)
+            await self.end(ex, outcome, upstream.status)
+
+    async def end(self, ex: Exchange, outcome: Outcome, http_status: int) -> None:
+        """The exchange is over: every duty of its end, for every front (gateway/lifecycle.py)."""
+        e = self._release(ex, outcome, http_status)
+        if e.record:
+            charge_completion(ex)
+            await self.recorder.record(ex)
+        self._settle(ex, outcome, e)
+
+    def end_unrecorded(self, ex: Exchange, outcome: Outcome, http_status: int) -> None:
+        """``end`` for an exchange with no turn to record (the client left, an answer not read): callable
+        where nothing may be awaited (the picker's stream closing)."""
+        e = self._release(ex, outcome, http_status)
+        assert not e.record, "a turn to record needs end()"
+        self._settle(ex, outcome, e)
+
+    def _release(self, ex: Exchange, outcome: Outcome, http_status: int) -> Ending:
+        e = ending(outcome, http_status, ex.started, self.clock.now())
+        self.pool.release(ex.decision.worker, ex.prefill_tokens, ex.prepared.prompt.length, ex.ttft_s is not None,
+                          e.held_s)
+        ex.prepared.trace.streamed(ex, outcome)
+        return e
+
+    def _settle(self, ex: Exchange, outcome: Outcome, e: Ending) -> None:
+        if e.disconnected:
+            self.metrics.client_disconnects.inc()
+        self.metrics.count_request(ex.prepared.endpoint, e.status)
+        ex.prepared.trace.finish(e.status)
+        if e.logged:
             self.requests.write(ex, outcome)
 
     def event(self, ex: Exchange, ev: SseEvent) -> bytes | None:
