@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Annotated, ClassVar, Literal
 from urllib.parse import urlparse
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -178,6 +178,10 @@ class GatewaySettings(YamlSettings):
     """Also take the conversation from the agent harnesses' session headers (Claude Code, Codex, OpenCode,
     ``x-session-id``) and the bodies' ``session_id`` / ``prompt_cache_key`` / ``metadata.user_id``, with
     sub-agents as conversations of their own (kvgate/gateway/identity.py, docs/protocols.md)."""
+    thinking_signature_secret: SecretStr | None = None
+    """Key of the signatures on the thinking blocks the Messages door returns (HMAC-SHA256 of the text),
+    checked when a client sends a block back; unset: ``auth.cache_salt_secret``, else a built-in key (edits
+    are still caught, forgeries are not). The same on every replica (docs/protocols.md)."""
     regroup_derived: bool = True
     """Clients that send no key: find their conversation again after a compaction or rewind by the messages
     it kept (session/regroup.py, docs/protocols.md), instead of starting a new one under a new derived key."""

@@ -30,6 +30,7 @@ from kvgate.clock import Clock, MonotonicClock
 from kvgate.config import GatewaySettings
 from kvgate.discovery import make_source
 from kvgate.errors import ApiError, error_body
+from kvgate.fronts.messages.routes import add_routes as add_messages_routes
 from kvgate.gateway.actions import GatewayActions
 from kvgate.gateway.admin import admin_routes
 from kvgate.gateway.auth import Authenticator
@@ -337,6 +338,8 @@ def create_app(settings: GatewaySettings, clock: Clock | None = None,
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await gw.proxy.handle(request, "completions")
+
+    add_messages_routes(app, gw)  # /v1/messages, /v1/messages/count_tokens (kvgate/fronts/messages)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
