@@ -20,12 +20,12 @@ from pydantic_settings import (
 )
 
 from kvgate.admission.settings import AdmissionSettings
-from kvgate.epp.trust import EppAuthSettings, check_startup
-from kvgate.gateway.auth import AuthSettings
-from kvgate.gateway.inputlimits import HostileSettings
 from kvgate.router.cost import CostParams
 from kvgate.session.prefill import PrefillParams
 from kvgate.session.waits import WaitParams
+from kvgate.settings.auth import AuthSettings
+from kvgate.settings.epp import EppAuthSettings, check_startup
+from kvgate.settings.limits import HostileSettings
 
 EngineKind = Literal["vllm", "sglang", "sim"]
 PolicyName = Literal["round_robin", "least_loaded", "session_affinity", "cost_model"]

@@ -26,7 +26,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn.server import ServerState
 
 from kvgate.errors import error_body
-from kvgate.gateway.inputlimits import ConnectionLimits
+from kvgate.settings.limits import ConnectionLimits
 
 PROBE_PATHS = frozenset({b"/health", b"/ready"})
 """Served on a connection over the cap: an orchestrator's probes must tell "busy" from "dead"."""

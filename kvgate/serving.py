@@ -21,7 +21,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from kvgate.connections import LISTEN_QUEUE, ConnectionPolicy, GuardedConfig
-from kvgate.gateway.inputlimits import ConnectionLimits
+from kvgate.settings.limits import ConnectionLimits
 
 
 class DrainingServer(uvicorn.Server):

@@ -180,8 +180,9 @@ async def test_grpc_control_api_and_ctl_take_the_same_keys(make_cluster: Any, ca
 async def test_jwks_from_a_url_is_fetched_and_refreshed_keys_replace_old_ones(tmp_path: Path) -> None:
     from fastapi import FastAPI
 
-    from kvgate.gateway.auth import Authenticator, AuthSettings, Unauthenticated
+    from kvgate.gateway.auth import Authenticator, Unauthenticated
     from kvgate.serving import start_server
+    from kvgate.settings.auth import AuthSettings
 
     key, path = rsa_jwks(tmp_path)
     app = FastAPI()
@@ -213,7 +214,7 @@ def test_settings_refuse_auth_without_a_salt_secret_or_keys_source(clean_env: py
     from pydantic import ValidationError
 
     from kvgate.config import GatewaySettings
-    from kvgate.gateway.auth import AuthSettings
+    from kvgate.settings.auth import AuthSettings
 
     with pytest.raises(ValidationError, match="cache_salt_secret"):
         AuthSettings(mode="api_key")

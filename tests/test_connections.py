@@ -20,8 +20,8 @@ import pytest
 from fastapi import FastAPI, Request
 
 from kvgate.connections import ConnectionPolicy
-from kvgate.gateway.inputlimits import ConnectionLimits
 from kvgate.serving import ServerHandle, free_port, start_server
+from kvgate.settings.limits import ConnectionLimits
 
 LIMITS = ConnectionLimits(header_timeout_s=0.5, keep_alive_timeout_s=0.5, max_header_bytes=8192, max_connections=4)
 WAIT_S = 5.0

@@ -3,6 +3,7 @@ OpenCode send, through the gateway to simulated workers."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ async def test_a_harness_session_header_alone_is_one_conversation(make_cluster: 
     oc = client(c)
     turns = await run_agent(oc, None, 4, headers={header: "run-7f3a"})
     assert len({w for w, _, _ in turns}) == 1
-    assert all(b > a for (_, _, a), (_, _, b) in zip(turns, turns[1:], strict=False))
+    assert all(b > a for (_, _, a), (_, _, b) in itertools.pairwise(turns))
     assert await metric(c, "kvgate_conversation_id_source_total", source="header") == 4
     conv = await c.gateway.runtime.store.get("run-7f3a")  # type: ignore[arg-type]
     assert conv is not None and conv.id_source == f"header:{header}" and len(conv.turns) == 4

@@ -7,7 +7,8 @@ from typing import Any
 
 import httpx
 
-from kvgate.gateway.auth import AuthSettings, key_hash, salt_for, tenant_salt
+from kvgate.gateway.auth import key_hash, salt_for, tenant_salt
+from kvgate.settings.auth import AuthSettings
 from tests.conftest import MODEL, Cluster
 
 SECRET = "isolation-secret"

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from kvgate.router.types import WorkerId
 
 if TYPE_CHECKING:
-    from kvgate.gateway.app import Gateway
+    from kvgate.gateway.parts import Parts
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ _KEPT = 1024
 
 
 class EarlyProbe:
-    def __init__(self, gw: Gateway) -> None:
+    def __init__(self, gw: Parts) -> None:
         self.gw = gw
         self._tasks: dict[WorkerId, asyncio.Task[None]] = {}
         self._last: dict[WorkerId, float] = {}

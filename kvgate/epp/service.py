@@ -16,13 +16,13 @@ from kvgate.grpc.gen.envoy.service.ext_proc.v3 import external_processor_pb2 as 
 from kvgate.grpc.gen.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as epgrpc
 
 if TYPE_CHECKING:
-    from kvgate.gateway.app import Gateway
+    from kvgate.gateway.parts import Parts
 
 log = logging.getLogger(__name__)
 
 
 class EppMetrics:
-    def __init__(self, gw: Gateway) -> None:
+    def __init__(self, gw: Parts) -> None:
         r = gw.metrics.registry
         self.decision = Histogram("kvgate_epp_decision_seconds", "Endpoint picker: from the end of a request's "
                                   "body to the pick (prepare, plan, pick)", registry=r,
@@ -40,7 +40,7 @@ class EppMetrics:
 
 
 class ExtProcService(epgrpc.ExternalProcessorServicer):
-    def __init__(self, gw: Gateway) -> None:
+    def __init__(self, gw: Parts) -> None:
         self.gw = gw
         self.metrics = EppMetrics(gw)
         self.probe = EarlyProbe(gw)

@@ -46,7 +46,7 @@ from kvgate.router.types import Decision, WorkerId
 if TYPE_CHECKING:
     from kvgate.epp.probe import EarlyProbe
     from kvgate.epp.service import EppMetrics
-    from kvgate.gateway.app import Gateway
+    from kvgate.gateway.parts import Parts
 
 PATHS: dict[str, Endpoint] = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 MAX_RESPONSE_BYTES = 64 << 20
@@ -64,7 +64,7 @@ class OutOfOrder(Exception):
 
 
 class EppStream:
-    def __init__(self, gw: Gateway, metrics: EppMetrics | None = None, trusted: bool = False,
+    def __init__(self, gw: Parts, metrics: EppMetrics | None = None, trusted: bool = False,
                  probe: EarlyProbe | None = None) -> None:
         self.gw = gw
         self.m = gw.metrics

@@ -18,7 +18,7 @@ from kvgate.router.types import ConversationId
 from kvgate.session.conversation import Conversation
 
 if TYPE_CHECKING:
-    from kvgate.gateway.app import Gateway
+    from kvgate.gateway.parts import Parts
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def agent_metrics(c: Conversation) -> dict[str, Any]:
                          last.tpot_s if last is not None else None)}
 
 
-def admin_routes(gw: Gateway) -> APIRouter:
+def admin_routes(gw: Parts) -> APIRouter:
     r = APIRouter(prefix="/admin")
 
     def policy_view() -> dict[str, Any]:
@@ -164,7 +164,7 @@ def _who(request: Request, caller: Principal) -> str:
     return f"{caller.name}@{request.client.host if request.client else 'unknown'}"
 
 
-async def _peek(gw: Gateway, cid: str) -> Conversation | JSONResponse | None:
+async def _peek(gw: Parts, cid: str) -> Conversation | JSONResponse | None:
     try:
         return await gw.store.peek(ConversationId(cid))
     except StoreError as exc:

@@ -16,7 +16,7 @@ from kvgate.session.conversation import Conversation, TurnRecord
 from kvgate.session.lifecycle import Lifecycle
 
 if TYPE_CHECKING:
-    from kvgate.gateway.app import Gateway
+    from kvgate.gateway.parts import Parts
 
 
 def lifecycle_pb(lc: Lifecycle) -> cpb.Lifecycle:
@@ -64,7 +64,7 @@ def _number(v: object) -> float:
     return float(v) if isinstance(v, (int, float)) else math.nan
 
 
-def worker_pb(gw: Gateway, w: WorkerState) -> fpb.Worker:
+def worker_pb(gw: Parts, w: WorkerState) -> fpb.Worker:
     c = w.config
     spec = w.hash_spec(gw.settings.hash_seed)
     ep = gw.subscriber.endpoints.get(w.id)

@@ -20,7 +20,7 @@ from kvgate.router.cost import CostModel
 from kvgate.router.types import Decision, RouteRequest, WorkerId, WorkerView
 
 if TYPE_CHECKING:
-    from kvgate.gateway.app import Gateway
+    from kvgate.gateway.parts import Parts
 
 
 async def parse_body(text: str, limit: int, limits: safejson.JsonLimits = safejson.DEFAULT_LIMITS) -> dict[str, Any]:
@@ -35,14 +35,14 @@ def endpoint_name(e: pb.Endpoint.ValueType) -> Endpoint:
     return "completions" if e == pb.ENDPOINT_COMPLETIONS else "chat"
 
 
-def decision_pb(gw: Gateway, d: Decision) -> pb.Decision:
+def decision_pb(gw: Parts, d: Decision) -> pb.Decision:
     return pb.Decision(worker=d.worker, endpoint=endpoint_of(gw.pool.get(d.worker).config),
                        policy=gw.policy.name, reason=d.reason, tier=d.tier, bounded=d.bounded,
                        expected_cached_tokens=d.expected_cached_tokens,
                        expected_loaded_tokens=d.expected_loaded_tokens)
 
 
-async def explain(gw: Gateway, req: pb.ExplainRequest) -> pb.ExplainResponse:
+async def explain(gw: Parts, req: pb.ExplainRequest) -> pb.ExplainResponse:
     body = await parse_body(req.body_json, gw.settings.max_body_bytes, gw.settings.hostile.json_limits)
     headers = {k.lower(): v for k, v in req.headers.items()}
     # Auth on, only an operator reaches here; it explains a request as the tenant its headers name, so
@@ -69,7 +69,7 @@ async def explain(gw: Gateway, req: pb.ExplainRequest) -> pb.ExplainResponse:
         history=_history(p))
 
 
-def candidates(gw: Gateway, route: RouteRequest, workers: Sequence[WorkerView], plan: Plan, decision: Decision,
+def candidates(gw: Parts, route: RouteRequest, workers: Sequence[WorkerView], plan: Plan, decision: Decision,
                excluded: set[WorkerId], off_subset: set[WorkerId]) -> list[pb.Candidate]:
     """Every worker of the model with what the policy read of it; cost-model charges when it routes."""
     cost = gw.policy if isinstance(gw.policy, CostModel) else None

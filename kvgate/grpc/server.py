@@ -37,7 +37,7 @@ from kvgate.grpc.malformed import MalformedGuard
 from kvgate.grpc.services import ConversationsService, FleetService, PolicyService, RoutingService
 
 if TYPE_CHECKING:
-    from kvgate.gateway.app import Gateway
+    from kvgate.gateway.parts import Parts
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class GrpcServers:
                 await s.stop(grace_s)
 
 
-def _options(gw: Gateway) -> list[tuple[str, int]]:
+def _options(gw: Parts) -> list[tuple[str, int]]:
     # A request body (Explain's JSON, an ext_proc body chunk) may be as large as the HTTP front accepts.
     n = gw.settings.max_body_bytes + (1 << 20)
     return [("grpc.max_receive_message_length", n), ("grpc.max_send_message_length", n)]
@@ -81,7 +81,7 @@ def _bind(server: grpc.aio.Server, host: str, port: int, creds: grpc.ServerCrede
     return bound
 
 
-async def _control(gw: Gateway, servers: GrpcServers, port: int) -> None:
+async def _control(gw: Parts, servers: GrpcServers, port: int) -> None:
     # The auth hook first: a caller without credentials is refused whatever bytes it sent.
     server = grpc.aio.server(interceptors=[AuthInterceptor(gw.auth), MalformedGuard()], options=_options(gw))
     bus = DecisionBus(lambda d: decision_pb(gw, d))
@@ -102,12 +102,12 @@ async def _control(gw: Gateway, servers: GrpcServers, port: int) -> None:
     log.info("gRPC control API on %s:%d", gw.settings.host, servers.control_port)
 
 
-def ready(gw: Gateway) -> bool:
+def ready(gw: Parts) -> bool:
     per_model = gw.pool.ready()
     return bool(per_model) and all(per_model.values()) and not gw.draining
 
 
-async def _epp(gw: Gateway, servers: GrpcServers, port: int) -> None:
+async def _epp(gw: Parts, servers: GrpcServers, port: int) -> None:
     server = grpc.aio.server(interceptors=[MalformedGuard()], options=_options(gw))
     epgrpc.add_ExternalProcessorServicer_to_server(ExtProcService(gw), server)
     health = health_aio.HealthServicer()
@@ -130,7 +130,7 @@ async def _epp(gw: Gateway, servers: GrpcServers, port: int) -> None:
     log.info("endpoint picker (Envoy ext_proc) on %s:%d", gw.settings.host, servers.epp_port)
 
 
-async def start_grpc(gw: Gateway) -> GrpcServers:
+async def start_grpc(gw: Parts) -> GrpcServers:
     """Start what the settings ask for (nothing by default)."""
     servers = GrpcServers()
     try:

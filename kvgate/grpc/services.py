@@ -26,7 +26,7 @@ from kvgate.router.types import ConversationId
 from kvgate.session.conversation import Conversation
 
 if TYPE_CHECKING:
-    from kvgate.gateway.app import Gateway
+    from kvgate.gateway.parts import Parts
 
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 T = TypeVar("T")
@@ -44,7 +44,7 @@ async def within_deadline(context: Context, aw: Awaitable[T]) -> T:
 
 
 class RoutingService(rgrpc.RoutingServicer):
-    def __init__(self, gw: Gateway, bus: DecisionBus) -> None:
+    def __init__(self, gw: Parts, bus: DecisionBus) -> None:
         self.gw = gw
         self.bus = bus
 
@@ -65,7 +65,7 @@ class RoutingService(rgrpc.RoutingServicer):
 
 
 class ConversationsService(cgrpc.ConversationsServicer):
-    def __init__(self, gw: Gateway) -> None:
+    def __init__(self, gw: Parts) -> None:
         self.gw = gw
 
     async def _get(self, cid: str) -> Conversation:
@@ -97,7 +97,7 @@ class ConversationsService(cgrpc.ConversationsServicer):
 
 
 class PolicyService(pgrpc.PolicyServicer):
-    def __init__(self, gw: Gateway) -> None:
+    def __init__(self, gw: Parts) -> None:
         self.gw = gw
 
     def _state(self) -> ppb.PolicyState:
@@ -127,7 +127,7 @@ class PolicyService(pgrpc.PolicyServicer):
 
 
 class FleetService(fgrpc.FleetServicer):
-    def __init__(self, gw: Gateway) -> None:
+    def __init__(self, gw: Parts) -> None:
         self.gw = gw
 
     async def ListWorkers(self, request: fpb.ListWorkersRequest, context: Context) -> fpb.ListWorkersResponse:

@@ -10,8 +10,9 @@ import httpx
 
 from kvgate.config import GatewaySettings, WorkerConfig
 from kvgate.gateway.app import create_app
-from kvgate.gateway.auth import AuthSettings, key_hash
+from kvgate.gateway.auth import key_hash
 from kvgate.serving import start_server
+from kvgate.settings.auth import AuthSettings
 from tests.engine.conftest import Pair, reset_cache
 
 DOC = "Tenant A's design document: the storage layer shards by customer and replicates thrice. " * 30

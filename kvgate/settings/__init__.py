@@ -1,0 +1,1 @@
+"""Sections of the gateway settings that fronts enforce, kept here so kvgate/config.py imports no front."""
