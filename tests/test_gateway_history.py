@@ -128,3 +128,22 @@ async def test_next_turn_prefix_is_what_the_next_request_starts_with(make_cluste
     assert pre["tokens"] > 100 and tok[: pre["tokens"]] == pre["token_ids"]
     # The Qwen3-style template drops this turn's reasoning once a user message follows: P|A, not P|R|A.
     assert pre["tokens"] < r1.json()["usage"]["prompt_tokens"] + r1.json()["usage"]["completion_tokens"]
+
+
+async def test_renumbered_tool_call_ids_still_restore_the_exact_reply(make_cluster: Any) -> None:
+    # A client that keeps its own tool-call ids (call_0, ...) and re-dumps the arguments in another key
+    # order (issue 24): the reply is found by what its call means, and the cache holds.
+    c = await make_cluster(1, events=True)
+    await ready(c)
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "agent " * 200}, {"role": "user", "content": "go"}]
+    r1 = await chat(c, "ids", msgs, sim={"tool_calls": [{"name": "search", "arguments": {"q": "kv cache", "k": 3}}]})
+    m = r1.json()["choices"][0]["message"]
+    args = json.loads(m["tool_calls"][0]["function"]["arguments"])
+    echoed = {"role": "assistant", "content": None, "tool_calls": [{"id": "call_0", "type": "function", "function": {
+        "name": "search", "arguments": json.dumps(dict(reversed(list(args.items()))))}}]}
+    r2 = await chat(c, "ids", [*msgs, echoed, {"role": "tool", "tool_call_id": "call_0", "content": "found"}])
+    assert r2.status_code == 200
+    assert "restored=2" in r2.headers["x-kvgate-history"]  # the arguments and the omitted reasoning
+    info = reuse(r2)
+    assert info["cause"] in ("none", "block_alignment") and int(info["lost"]) < 128, info
+    assert r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == int(info["expected"])
