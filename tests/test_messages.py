@@ -66,6 +66,7 @@ async def run_loop(c: Cluster, steps: int, headers: dict[str, str], stream: bool
     ac = client(c)
     msgs: list[Any] = [{"role": "user", "content": "fix the failing test"}]
     out = []
+    convs: set[str] = set()
     for i in range(steps):
         msg, h = await _step(ac, msgs, headers, stream)
         assert msg.stop_reason == "tool_use"
@@ -77,6 +78,8 @@ async def run_loop(c: Cluster, steps: int, headers: dict[str, str], stream: bool
         out.append((h["x-kvgate-worker"], u.input_tokens, u.cache_read_input_tokens or 0,
                     int(h["x-kvgate-expected-cached-tokens"])))
         assert h["x-kvgate-conversation-source"] == "header:x-claude-code-session-id"
+        convs.add(h["x-kvgate-conversation-id"])
+    assert len(convs) == 1  # the session header alone names one conversation
     return out, msgs
 
 
@@ -108,6 +111,19 @@ async def test_tampered_signature_is_refused_in_anthropics_shape(make_cluster: A
         assert ei.value.body == {"type": "error", "error": {
             "type": "invalid_request_error",
             "message": "messages.1.content.0: Invalid `signature` in `thinking` block"}}
+
+
+async def test_omitted_thinking_is_restored_from_the_record(make_cluster: Any) -> None:
+    """A client that drops its thinking blocks in the tool loop: kvgate puts the engine's reasoning back,
+    so the prefix still matches the cache."""
+    c = await make_cluster(1, events=True)
+    await eventually(lambda: len(c.gateway.prefix.events.workers()) == 1)
+    _, msgs = await run_loop(c, 1, {"x-claude-code-session-id": "cc-omit"})
+    msgs[1] = {"role": "assistant", "content": [b for b in msgs[1]["content"] if b.type != "thinking"]}
+    msg, h = await _step(client(c), msgs, {"x-claude-code-session-id": "cc-omit"}, False)
+    assert "restored=1" in h["x-kvgate-history"]
+    assert msg.usage.cache_read_input_tokens == int(h["x-kvgate-expected-cached-tokens"]) > 0
+    assert msg.usage.input_tokens < 128 + 60 + 40
 
 
 async def test_thinking_across_user_turns_follows_the_reasoning_policy(make_cluster: Any) -> None:
@@ -198,3 +214,37 @@ async def test_no_healthy_worker_is_overloaded_error(make_cluster: Any) -> None:
                 break
     assert r.status_code == 503, r.text
     assert r.json()["error"]["type"] == "overloaded_error"
+
+
+async def test_the_sdks_x_api_key_authenticates_and_a_bad_one_is_authentication_error(make_cluster: Any) -> None:
+    from kvgate.gateway.auth import key_hash
+
+    keys = [{"sha256": key_hash("key-a"), "tenant": "A", "role": "tenant", "name": "a"}]
+    c = await make_cluster(1, auth={"mode": "api_key", "api_keys": keys, "cache_salt_secret": "salt-secret"})
+    kw: dict[str, Any] = dict(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "hi"}])
+    async with anthropic.AsyncAnthropic(base_url=c.url, api_key="key-a", max_retries=0) as ok:
+        r = await ok.messages.create(**kw)
+        counted = await ok.messages.count_tokens(model=MODEL, messages=kw["messages"])
+    assert r.content and counted.input_tokens > 0
+    async with anthropic.AsyncAnthropic(base_url=c.url, api_key="wrong", max_retries=0) as bad:
+        with pytest.raises(anthropic.AuthenticationError) as ei:
+            await bad.messages.create(**kw)
+        with pytest.raises(anthropic.AuthenticationError):
+            await bad.messages.count_tokens(model=MODEL, messages=kw["messages"])
+    assert ei.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+
+
+async def test_the_configured_secret_signs(make_cluster: Any) -> None:
+    """With ``thinking_signature_secret`` set, a block signed under the built-in key is refused."""
+    from kvgate.fronts.messages.signing import Signer
+
+    c = await make_cluster(1, thinking_signature_secret="deployment-key")
+    msgs: list[Any] = [{"role": "user", "content": "hi"},
+                       {"role": "assistant", "content": [{"type": "thinking", "thinking": "t", "signature": ""},
+                                                         {"type": "text", "text": "ok"}]},
+                       {"role": "user", "content": "again"}]
+    for key, status in ((None, 400), (b"deployment-key", 200)):
+        msgs[1]["content"][0]["signature"] = Signer(key).sign("t")
+        async with httpx.AsyncClient(base_url=c.url) as h:
+            r = await h.post("/v1/messages", json={"model": MODEL, "max_tokens": 8, "messages": msgs})
+        assert r.status_code == status, r.text
