@@ -55,13 +55,19 @@ def _check_free(cmd: str, host: str, port: int | None) -> None:
             _cannot_listen(cmd, host, port, exc)
 
 
+WORKER_SPEC = "URL=MODEL[@ENGINE][,KEY=VALUE...]"
+
+
 def _parse_worker(spec: str) -> dict[str, str]:
-    # URL=MODEL[@ENGINE], e.g. http://127.0.0.1:8001=Qwen/Qwen3-8B@vllm
-    if "=" not in spec:
-        raise argparse.ArgumentTypeError(f"worker must be URL=MODEL[@ENGINE], got {spec!r}")
-    url, rest = spec.split("=", 1)
+    # e.g. http://127.0.0.1:8001=Qwen/Qwen3-8B@vllm,kv_events=auto: the KEY=VALUE pairs are any other
+    # fields of a workers: entry (validated with them), so the command line reaches KV events too.
+    head, *pairs = spec.split(",")
+    if "=" not in head or any("=" not in p for p in pairs):
+        raise argparse.ArgumentTypeError(f"worker must be {WORKER_SPEC}, got {spec!r}")
+    url, rest = head.split("=", 1)
     model, _, engine = rest.partition("@")
-    return {"url": url, "model": model, **({"engine": engine} if engine else {})}
+    extra = dict(p.split("=", 1) for p in pairs)
+    return {"url": url, "model": model, **({"engine": engine} if engine else {}), **extra}
 
 
 async def _serve(args: argparse.Namespace) -> None:
@@ -176,10 +182,12 @@ def _serve_parser(sub: Any, name: str = "serve") -> None:
                            description="Run the gateway: one process, OpenAI-compatible API on HOST:PORT, /health, "
                            "/ready, /metrics\nand /admin/*. Every setting is an option below, a KVGATE_* variable "
                            "and a key of the\nKVGATE_CONFIG file (README: Configuration).")
-    s.add_argument("--worker", action="append", type=_parse_worker, metavar="URL=MODEL[@ENGINE]",
-                   help="a worker, repeatable, e.g. http://10.0.0.5:8000=Qwen/Qwen3-8B@vllm; ENGINE is one of "
-                   f"{', '.join(get_args(EngineKind))} (default vllm); block size 16, sha256 hashes, no KV events (for "
-                   "those, workers: entries in KVGATE_CONFIG); given here, replaces KVGATE_WORKERS and the YAML list")
+    s.add_argument("--worker", action="append", type=_parse_worker, metavar=WORKER_SPEC,
+                   help="a worker, repeatable, e.g. http://10.0.0.5:8000=Qwen/Qwen3-8B@vllm,kv_events=auto; ENGINE "
+                   f"is one of {', '.join(get_args(EngineKind))} (default vllm); KEY=VALUE: any field of a workers: "
+                   "entry (kv_events=auto|tcp://HOST:PORT, block_size, hash_algo, id, ...; block size and hash "
+                   "algorithm are learned from the worker's /metrics when it publishes them); given here, replaces "
+                   "KVGATE_WORKERS and the YAML list")
     add_options(s, g, skip=frozenset({"workers"}),
                 defaults={"epp_port": f"{EPP_PORT} for kvgate epp"} if name == "epp" else None)
 

@@ -165,3 +165,85 @@ def test_a_json_option_that_is_not_json_is_refused_by_argparse(capsys: pytest.Ca
         _build_parser().parse_args(["serve", "--tokenizers", "{m: x"])
     assert exc.value.code == 2
     assert "argument --tokenizers: not valid JSON" in capsys.readouterr().err
+
+
+def _readme_recipe() -> list[list[str]]:
+    """The kvgate commands of the README's "Running it for real" block, as argv lists."""
+    import os
+    import re
+    import shlex
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = re.search(r"## Running it for real\n\n```bash\n(.*?)```", text, re.S)
+    assert block is not None
+    joined = block.group(1).replace("\\\n", " ")
+    cmds = []
+    for line in joined.splitlines():
+        if line.startswith(".venv/bin/kvgate "):
+            argv = shlex.split(os.path.expandvars(line), comments=True)
+            cmds.append([a for a in argv if a != "&"][1:])
+    return cmds
+
+
+def test_the_readme_recipe_gives_expected_equal_to_cached_with_events_and_a_tokenizer(tmp_path: Path) -> None:
+    import re
+
+    import httpx
+
+    from kvgate.serving import free_port as free
+    from kvgate.tokens.tinymodel import ensure_tiny_model
+
+    ensure_tiny_model()  # the recipe's tokenizers path: built by the first sim otherwise, racing the gateway
+    cmds = _readme_recipe()
+    assert [c[0] for c in cmds] == ["sim", "sim", "serve"]
+    ports = {p: str(free()) for c in cmds for a in c for p in re.findall(r"(?<![\d.])(8\d{3}|5\d{3})(?!\d)", a)}
+
+    def local(arg: str) -> str:
+        return re.sub(r"(?<![\d.])(8\d{3}|5\d{3})(?!\d)", lambda m: ports[m.group(1)], arg)
+
+    procs, logs = [], []
+    try:
+        # The gateway first: workers that come up after it (as a pasted block may) are still followed by
+        # their KV events once they answer.
+        deadline = time.monotonic() + 120
+        for i, c in enumerate(sorted(cmds, key=lambda c: c[0] != "serve")):
+            logs.append(tmp_path / f"{i}.log")
+            with open(logs[-1], "wb") as f:
+                procs.append(subprocess.Popen([sys.executable, "-m", "kvgate.cli", *map(local, c)], stdout=f,
+                                              stderr=subprocess.STDOUT))
+            while i == 0 and "asking for its KV events again" not in logs[0].read_text():
+                assert time.monotonic() < deadline and procs[0].poll() is None, logs[0].read_text()
+                time.sleep(0.1)
+        url = f"http://127.0.0.1:{ports['8000']}"
+        while True:
+            try:
+                if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), logs[0].read_text()
+            time.sleep(0.2)
+        msgs: list[dict[str, Any]] = [{"role": "system", "content": "You are a careful agent. " * 40},
+                                      {"role": "user", "content": "hi"}]
+        seen = []
+        with httpx.Client(timeout=30) as h:
+            for turn in range(3):
+                r = h.post(url + "/v1/chat/completions", headers={"x-conversation-id": "demo"},
+                           json={"model": "kvgate-tiny", "messages": msgs})
+                assert r.status_code == 200, (r.status_code, r.text, logs[0].read_text()[-3000:])
+                cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                seen.append((int(r.headers["x-kvgate-expected-cached-tokens"]), cached,
+                             r.headers.get("x-kvgate-prefix-reuse")))
+                m = r.json()["choices"][0]["message"]
+                msgs += [{k: v for k, v in m.items() if v is not None}, {"role": "user", "content": f"then {turn}?"}]
+            assert h.get(url + "/admin/conversations/demo/next-prefix").status_code == 200
+        gateway_log = logs[0].read_text()
+        assert all(exp == got > 0 and reuse for exp, got, reuse in seen[1:]), (seen, gateway_log)
+        # (Its workers' first checks failed, it started before them: warned as it should be.)
+        assert "MISMATCH" not in gateway_log and "approximate mode" not in gateway_log, gateway_log
+        assert gateway_log.count("following its KV events") == 2, gateway_log
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=30)

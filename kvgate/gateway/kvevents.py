@@ -33,6 +33,13 @@ log = logging.getLogger(__name__)
 _POLL_MS = 200
 """How often a quiet stream looks for a resync the health poll asked for."""
 
+_RETRY_S = (0.5, 30.0)
+"""``kv_events: auto`` on a worker not answering yet: first and longest wait between attempts to ask it."""
+
+
+class _NotUp(Exception):
+    """The worker could not be asked where it publishes (not started yet, or down): ask again later."""
+
 
 class SubscriberCollector(Collector):
     """Event-stream figures beside ``telemetry.PrefixCollector``'s: resyncs, skipped copies, disconnects."""
@@ -95,6 +102,8 @@ class KvEventSubscriber:
         try:
             r = await self._client.get(f"{w.url}/kv_event_sources", timeout=5.0)
             data = r.json()
+        except httpx.TransportError as exc:
+            raise _NotUp(repr(exc)) from None
         except (httpx.HTTPError, ValueError) as exc:
             log.warning("worker %s: no /kv_event_sources (%r); routing it in approximate mode", w.id, exc)
             return None
@@ -131,15 +140,42 @@ class KvEventSubscriber:
         """Follow the worker's events (True), or leave it to approximate mode (False)."""
         if not w.kv_events:
             return False
-        ep = await self._resolve(w)
+        wid = WorkerId(w.id)
+        if wid in self._tasks:  # followed already, or asking again
+            return False
+        try:
+            ep = await self._resolve(w)
+        except _NotUp as exc:
+            # Workers started with the gateway (a pasted recipe, a compose stack, pods) are often not up
+            # yet: approximate mode until the worker answers, then its events, instead of never.
+            log.info("worker %s not answering yet (%s); asking for its KV events again", w.id, exc)
+            self._tasks[wid] = asyncio.get_running_loop().create_task(self._resolve_later(w), name=f"kv-{wid}")
+            return False
         if ep is None:
             return False
-        wid = WorkerId(w.id)
+        self._follow(wid, ep)
+        return True
+
+    async def _resolve_later(self, w: WorkerConfig) -> None:
+        wait = _RETRY_S[0]
+        while True:
+            await asyncio.sleep(wait)
+            wait = min(_RETRY_S[1], wait * 2)
+            try:
+                ep = await self._resolve(w)
+            except _NotUp:
+                continue
+            if ep is not None:
+                log.info("worker %s: following its KV events at %s", w.id, ep[0])
+                self._tasks.pop(WorkerId(w.id), None)
+                self._follow(WorkerId(w.id), ep)
+            return
+
+    def _follow(self, wid: WorkerId, ep: tuple[str, str | None]) -> None:
         self.endpoints[wid] = ep
         self.state.add_worker(wid)
         self._synced[wid] = asyncio.Event()
         self._tasks[wid] = asyncio.get_running_loop().create_task(self._run(wid, *ep), name=f"kv-{wid}")
-        return True
 
     async def wait_synced(self, timeout_s: float) -> bool:
         """Wait (at most ``timeout_s``) until every subscribed worker's first replay is done, so a gateway
