@@ -381,8 +381,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
             print(choose.run(Path(args.trace) if args.trace else mooncake.DEFAULT_TRACE))
         else:
-            mooncake.run(Path(args.trace) if args.trace else mooncake.DEFAULT_TRACE, Path(args.out), args.quick,
-                         not args.no_dynamo, not args.no_peers)
+            raise SystemExit(mooncake.run(Path(args.trace) if args.trace else mooncake.DEFAULT_TRACE, Path(args.out),
+                                          args.quick, not args.no_dynamo, not args.no_peers))
     elif args.cmd == "tune":
         _tune(args)
     elif args.cmd == "dev":

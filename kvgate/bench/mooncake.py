@@ -24,7 +24,7 @@ from kvgate.bench.data import DATA_DIR, MOONCAKE_TRACE
 from kvgate.bench.dynamo import DynamoRun, ensure_dynamo, run_dynamo
 from kvgate.bench.fleet import FleetSim, Result
 from kvgate.bench.goodput import P99At, goodput_search
-from kvgate.bench.report import Row, Spread, bar, cdf_plot, pct, row_series, table
+from kvgate.bench.report import Floor, Row, Spread, bar, cdf_plot, floor_verdict, pct, row_series, table
 from kvgate.bench.trace import (
     TraceRequest,
     global_lru_reuse,
@@ -246,7 +246,8 @@ def _slug(s: str) -> str:
 
 
 def run(trace_path: Path = DEFAULT_TRACE, out_dir: Path = Path("bench-out"), quick: bool = False,
-        dynamo: bool = True, peers: bool = True) -> dict[str, object]:
+        dynamo: bool = True, peers: bool = True) -> int:
+    """Prints the report and writes it to ``out_dir``; returns the exit code (1: a floor failed)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     profile = get_profile("dynamo-mocker")
     if dynamo:
@@ -294,7 +295,8 @@ def run(trace_path: Path = DEFAULT_TRACE, out_dir: Path = Path("bench-out"), qui
                 text.append(b.seeds(wl, results))
             if not quick:
                 text.append(goodput_search(wl.name, base, profile, b.dynamo_p99 if dynamo else None, b.tick))
-    text.append(floors(results))
+    floor_text, checked = floors(results)
+    text.append(floor_text)
     if peers:
         text.append(peer_section(trace_path, out_dir, quick, results))
     from kvgate.bench.routing import report as routing_report
@@ -307,7 +309,7 @@ def run(trace_path: Path = DEFAULT_TRACE, out_dir: Path = Path("bench-out"), qui
     (out_dir / "mooncake.md").write_text(report)
     (out_dir / "mooncake.json").write_text(json.dumps(results, indent=1))
     print(report)
-    return results
+    return floor_verdict("mooncake", checked)
 
 
 def _public(r: Row) -> dict[str, object]:
@@ -322,12 +324,14 @@ def _get(rows: object, prefix: str) -> dict[str, Any] | None:
     return None
 
 
-def floors(results: dict[str, object]) -> str:
+def floors(results: dict[str, object]) -> tuple[str, list[Floor]]:
     """The issue's targets on every workload and configuration, from this run's rows."""
     lines = ["### Floors (ratios against the rows measured in this run)", "",
              "| table | floor | measured | target | ok |", "|---|---|---|---|---|"]
+    checked: list[Floor] = []
 
     def add(table_name: str, label: str, value: float | None, target: str, ok: bool | None) -> None:
+        checked.append(Floor(table_name, label, value, target, ok))
         v = "–" if value is None else f"{value:.3f}"
         lines.append(f"| {table_name} | {label} | {v} | {target} | {'yes' if ok else ('–' if ok is None else 'NO')} |")
 
@@ -355,7 +359,7 @@ def floors(results: dict[str, object]) -> str:
             ratio = rr["ttft_mean"] / drr["ttft_mean"]
             add(title, "simulator check: round_robin mean TTFT, kvgate sim / Dynamo", ratio, "0.95–1.05",
                 0.95 <= ratio <= 1.05)
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n", checked
 
 
 def peer_section(trace_path: Path, out_dir: Path, quick: bool, results: dict[str, object]) -> str:

@@ -51,6 +51,8 @@ class Sample:
     cached: int
     output: int
     ok: bool
+    error: str = ""
+    """Why a failed request failed (status and body, or the client's exception), for the report."""
 
 
 async def replay(url: str, trace: list[TraceRequest], scale: float, max_output: int) -> tuple[list[Sample], float]:
@@ -65,12 +67,17 @@ async def replay(url: str, trace: list[TraceRequest], scale: float, max_output: 
                     "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
             key = r.conversation_key
             start = time.monotonic()
-            ttft, usage = None, None
+            ttft, usage, error = None, None, ""
             try:
                 async with client.stream("POST", url + "/v1/completions", json=body,
                                          headers={"x-conversation-id": key, "x-session-id": key,
                                                   "x-smg-routing-key": key}) as resp:
                     async for line in resp.aiter_lines():
+                        if resp.status_code != 200:
+                            error = f"{resp.status_code} {line[:200]}"
+                            break
+                        if line.startswith("data: {\"error\""):
+                            error = line[6:206]
                         if not line.startswith("data: {"):
                             continue
                         obj = json.loads(line[6:])
@@ -79,24 +86,38 @@ async def replay(url: str, trace: list[TraceRequest], scale: float, max_output: 
                         if obj.get("usage"):
                             usage = obj["usage"]
                 ok = resp.status_code == 200 and ttft is not None and usage is not None
-            except httpx.HTTPError:
-                ok = False
+                if not ok and not error:
+                    error = f"{resp.status_code}, {'no token' if ttft is None else 'no usage'} in the stream"
+            except httpx.HTTPError as exc:
+                ok, error = False, repr(exc)[:200]
             u = usage or {}
             out.append(Sample(ttft or 0.0, int(u.get("prompt_tokens") or 0),
                               int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
-                              int(u.get("completion_tokens") or 0), ok))
+                              int(u.get("completion_tokens") or 0), ok, error))
 
         await asyncio.gather(*(one(r) for r in trace))
     return out, time.monotonic() - t0
+
+
+def failures(samples: list[Sample]) -> str:
+    """How many failed and the commonest reason, for a table cell (a count alone explains nothing)."""
+    from collections import Counter
+
+    errors = Counter(s.error or "unknown" for s in samples if not s.ok)
+    if not errors:
+        return ""
+    reason, n = errors.most_common(1)[0]
+    reason = " ".join(reason.split()).replace("|", "/")[:120]
+    return f"{sum(errors.values())} failed; {n}x: {reason}"
 
 
 def _row(name: str, samples: list[Sample], wall_s: float) -> Row:
     good = [s for s in samples if s.ok]
     ttft = sorted(s.ttft_ms for s in good)
     if not ttft:
-        return Row(f"{name} (all {len(samples)} failed)", 0.0)
+        return Row(f"{name} (all {failures(samples)})", 0.0)
     reuse = sum(s.cached for s in good) / max(1, sum(s.prompt for s in good))
-    label = name if len(good) == len(samples) else f"{name} ({len(samples) - len(good)} failed)"
+    label = name if len(good) == len(samples) else f"{name} ({failures(samples)})"
     return Row(label, reuse, sum(s.prompt - s.cached for s in good) / 1e6, statistics.mean(ttft),
                ttft[len(ttft) // 2], ttft[min(len(ttft) - 1, int(len(ttft) * 0.99))],
                sum(s.output for s in good) / wall_s, None, None, ttft)

@@ -146,3 +146,26 @@ def row_series(rows: Iterable[Row]) -> list[Series]:
     """A table's rows as CDF series labelled with their mean TTFT and reuse."""
     return [(f"{r.name} (mean {r.ttft_mean:.0f} ms, reuse {r.reuse:.3f})", r.ttfts_ms)
             for r in rows if r.ttfts_ms and r.ttft_mean is not None]
+
+
+@dataclass(frozen=True, slots=True)
+class Floor:
+    """One target a benchmark checks: ``ok`` None when this run has nothing to judge it by."""
+
+    table: str
+    label: str
+    value: float | None
+    target: str
+    ok: bool | None
+
+
+def floor_verdict(bench: str, floors: Iterable[Floor]) -> int:
+    """The exit code of a benchmark that printed ``floors``: 1 if any failed, each named on stderr with
+    its measured value and target (a table's "NO" in a long report is easy to miss; a CI run's exit code
+    is not)."""
+    failed = [f for f in floors if f.ok is False]
+    for f in failed:
+        v = "–" if f.value is None else f"{f.value:.3f}"
+        print(f"kvgate bench {bench}: floor failed: {f.table}: {f.label} measured {v}, target {f.target}",
+              file=sys.stderr)
+    return 1 if failed else 0
