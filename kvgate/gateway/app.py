@@ -31,6 +31,8 @@ from kvgate.config import GatewaySettings
 from kvgate.discovery import make_source
 from kvgate.errors import ApiError, error_body
 from kvgate.fronts.messages.routes import add_routes as add_messages_routes
+from kvgate.fronts.responses.routes import Deps as ResponsesDeps
+from kvgate.fronts.responses.routes import make_response_store, responses_routes
 from kvgate.gateway.actions import GatewayActions
 from kvgate.gateway.admin import admin_routes
 from kvgate.gateway.auth import Authenticator
@@ -296,7 +298,10 @@ def create_app(settings: GatewaySettings, clock: Clock | None = None,
         finally:
             await grpc_servers.stop(settings.drain_timeout_s)
             await gw.stop()
+            await responses.close()
 
+    # OpenAI Responses (kvgate/fronts/responses): over the chat pipeline, with its retrievable responses.
+    responses = make_response_store(settings, gw.clock)
     app = FastAPI(title="kvgate", lifespan=lifespan)
     app.state.gateway = gw
 
@@ -364,5 +369,6 @@ def create_app(settings: GatewaySettings, clock: Clock | None = None,
         gw.refresh_gauges()
         return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    app.include_router(responses_routes(gw.proxy, gw.auth, settings, ResponsesDeps(gw.store, responses)))
     app.include_router(admin_routes(gw))
     return app

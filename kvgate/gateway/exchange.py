@@ -92,6 +92,9 @@ class Prepared:
     """Admission's quota lease and fleet slot (admission on): released when the request ends."""
     parent_home: WorkerId | None = None
     """A new sub-agent's parent conversation's worker: where the parent's shared prefix most likely is."""
+    store_response: bool = True
+    """The reply's response id is recorded for ``previous_response_id`` (chat's ``store: false``: not, so
+    nothing can continue from it; the conversation's routing state is kept as for any request)."""
 
 
 @dataclass(slots=True)

@@ -220,7 +220,7 @@ class Preparer:
         # tenant's, so then only an operator sees them.
         show = not auth.enabled or salt is not None or (principal is not None and principal.operator)
         return Prepared(endpoint, model, ident, conv, prompt, payload, fwd, stream, hide, arrival, now,
-                        user_turn, turn, task, trace, show, salt, ticket)
+                        user_turn, turn, task, trace, show, salt, ticket, store_response=body.get("store") is not False)
 
     def _worker_priority(self, body: dict[str, Any], model: str, priority: str) -> dict[str, Any]:
         """The request's class as vLLM's ``priority`` (lower first; SGLang: higher first), when configured and

@@ -126,7 +126,7 @@ class Recorder:
                        ).with_turn(turn, self.turns.limits)
         if p.turn is not None and ex.reply.complete:
             conv = conv.with_reply(p.model, tuple(p.turn.canonical.messages), ex.reply.message(), p.turn.tools, chain,
-                                   ex.response_id, self.turns.limits)
+                                   ex.response_id if p.store_response else None, self.turns.limits)
         return conv, ended.commands
 
     async def _chain(self, ex: Exchange) -> Chain | None:

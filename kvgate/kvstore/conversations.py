@@ -139,6 +139,8 @@ class MemoryConversationStore:
             size = held_bytes(c) + _ENTRY_BYTES + _INDEX_BYTES * len(c.responses)
         self._data[c.id] = (c, self._clock.now() + self._ttl, size, sig)
         self._bytes += size
+        for rid in c.responses:  # _drop took the old entry's ids out of the index; a read must not lose them
+            self._responses.setdefault(rid, c.id)
         while self._data and (len(self._data) > self._max or self._bytes > self._max_bytes):
             self._drop(next(iter(self._data)))
 
