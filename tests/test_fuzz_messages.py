@@ -58,6 +58,10 @@ def _edge_cases() -> list[Any]:
                                                           "input": nest(500, True)}]},
                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "ok"}]}]),
         with_msgs([{"role": "user", "content": nest(400, False)}]),
+        with_msgs([u, {"role": "assistant", "content": [{"type": "tool_use", "id": f"t{k}", "name": "search",
+                                                          "input": {}} for k in range(3_000)]},
+                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"t{k}", "content": "r"}
+                                                for k in range(3_000)]}]),
         with_msgs([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "nope", "content": "x"}]}]),
         with_msgs([u, a, {"role": "user", "content": "no result"}]),
         with_msgs([u, {"role": "assistant", "content": [{"type": "tool_use", "id": "d", "name": "s", "input": {}},

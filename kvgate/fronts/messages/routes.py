@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,9 @@ class MessagesFront:
 
     async def to_chat(self, body: dict[str, Any], headers: Mapping[str, str], tenant: str | None
                       ) -> dict[str, Any]:
+        if _blocks(body) > TRANSLATE_INLINE_BLOCKS:
+            # ~20 µs a block: thousands would hold every other request up.
+            return await asyncio.to_thread(translate.to_chat, body, self.signer)
         return translate.to_chat(body, self.signer)
 
     async def from_json(self, chat: dict[str, Any], prepared: Prepared) -> dict[str, Any]:
@@ -40,6 +44,18 @@ class MessagesFront:
 
     def error(self, status: int, err: ApiError | dict[str, Any]) -> dict[str, Any]:
         return error_body(status, err)
+
+
+TRANSLATE_INLINE_BLOCKS = 1000
+"""Requests with more content blocks than this are translated beside the event loop."""
+
+
+def _blocks(body: Mapping[str, Any]) -> int:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list):
+        return 0
+    return len(msgs) + sum(len(m["content"]) for m in msgs
+                           if isinstance(m, dict) and isinstance(m.get("content"), list))
 
 
 def signer_for(gw: Gateway) -> Signer:
@@ -71,7 +87,8 @@ async def _count(gw: Gateway, front: MessagesFront, request: Request) -> dict[st
     require(gw.auth, request.headers, proxy=True)
     s = gw.settings
     body = await read_json(request, s.max_body_bytes, s.hostile.json_limits)
-    chat = translate.to_chat(body, front.signer, count=True)
+    chat = await asyncio.to_thread(translate.to_chat, body, front.signer, True) \
+        if _blocks(body) > TRANSLATE_INLINE_BLOCKS else translate.to_chat(body, front.signer, count=True)
     validate_chat(chat)
     model = chat["model"]
     if not gw.pool.serves(model):

@@ -242,6 +242,7 @@ def _assistant(blocks: list[dict[str, Any]], i: int, signer: Signer) -> tuple[di
 def _user(blocks: list[dict[str, Any]], i: int, pending: list[str]) -> list[dict[str, Any]]:
     tools: list[dict[str, Any]] = []
     parts: list[dict[str, Any]] = []
+    awaited = set(pending)  # a hostile turn may carry thousands of calls: no scan per result
     for j, b in enumerate(blocks):
         p = f"messages.{i}.content.{j}"
         kind = b.get("type")
@@ -249,7 +250,7 @@ def _user(blocks: list[dict[str, Any]], i: int, pending: list[str]) -> list[dict
             parts.append({"type": "text", "text": _str(b.get("text"), f"{p}.text")})
         elif kind == "tool_result":
             tid = _str(b.get("tool_use_id"), f"{p}.tool_use_id", empty=False)
-            if tid not in pending:
+            if tid not in awaited:
                 raise _bad(f"{p}: unexpected `tool_use_id` found in `tool_result` blocks: {tid[:64]}. Each "
                            "`tool_result` block must have a corresponding `tool_use` block in the previous "
                            "message.", f"{p}.tool_use_id")
