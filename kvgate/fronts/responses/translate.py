@@ -183,9 +183,9 @@ def _text_of(parts: Any, allowed: frozenset[str], where: str) -> str:
         raise bad(f"'{where}' must be a string or an array of content parts.", where)
     texts = []
     for j, p in enumerate(parts):
-        kind = p.get("type") if isinstance(p, dict) else None
+        kind = text_or(p.get("type"), "") if isinstance(p, dict) else ""
         if kind not in allowed:
-            raise bad(f"'{where}[{j}]': content part type {kind!r} is not supported here by kvgate "
+            raise bad(f"'{where}[{j}]': content part type {kind[:80]!r} is not supported here by kvgate "
                       f"(accepted: {', '.join(sorted(allowed))}).", f"{where}[{j}].type", "unsupported_content")
         assert isinstance(p, dict)
         text = p.get("refusal") if kind == "refusal" else p.get("text")
