@@ -7,7 +7,6 @@ import json
 from typing import Any
 
 import httpx
-
 import openai
 import pytest
 
@@ -45,8 +44,9 @@ async def test_agents_sdk_tool_loop(make_cluster: Any) -> None:
     again = await Runner.run(agent, [*result.to_input_list(), {"role": "user", "content": "and the other one?"}],
                              run_config=RunConfig(tracing_disabled=True))
     assert again.final_output and len(calls) == 2
-    print("agents sdk sent:", sent[0].get("include"), sent[0]["tools"], [sorted(b) for b in sent], [[i.get("type", "message") for i in b["input"]]
-                                                          for b in sent])
+    # What it sends (docs/protocols.md): include [], strict function tools, the whole input every time.
+    print("agents sdk sent:", sent[0].get("include"), [sorted(b) for b in sent],
+          [[i.get("type", "message") for i in b["input"]] for b in sent])
     async with httpx.AsyncClient() as h:
         conv = (await h.get(c.url + "/admin/conversations/agents-sdk-1")).json()
     turns = conv["turns"]
