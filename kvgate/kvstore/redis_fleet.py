@@ -23,6 +23,7 @@ upgrade reads it as before (what it reserves is not counted against its tenant u
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -127,8 +128,11 @@ def _timer(member: Any, token: Any) -> Timer | None:
         return None
 
 
-def _parked(key: Any, value: Any, now: float) -> tuple[WorkerId, int, float] | None:
-    """(worker, tokens, deadline) of a reservation entry; None when it is not one this version wrote."""
+def _parked(key: Any, value: Any) -> tuple[WorkerId, int, float] | None:
+    """(worker, tokens, deadline) of a reservation entry; None when it is not one this version wrote.
+    The horizon is the wall clock's, not the caller's ``now``: a question about another moment (a test's
+    ``now=0``: "everything not lapsed by then") must not find every entry corrupt and delete it."""
+    now = time.time()
     try:
         worker, sep, cid = _text(key).partition(_SEP)
         tokens, colon, until = _text(value).partition(":")
@@ -293,7 +297,7 @@ class RedisFleet:
         total = 0
         bad = []
         for k, v in held.items():
-            p = _parked(k, v, now)
+            p = _parked(k, v)
             if p is None:
                 self.corruption.found("parked", f"{key}[{k!r}]"[:200], "not <tokens>:<deadline>")
                 bad.append(k)
@@ -308,7 +312,7 @@ class RedisFleet:
         out: dict[WorkerId, int] = {}
         drop = []
         for k, v in held.items():
-            p = _parked(k, v, now)
+            p = _parked(k, v)
             if p is None:
                 self.corruption.found("reservation", repr(k)[:200], "not <worker>\\x1f<cid> -> <tokens>:<deadline>")
                 drop.append(k)
