@@ -240,3 +240,32 @@ async def test_memory_store_read_keeps_response_index() -> None:
     await s.update(cid, lambda cur: Conversation(cid, responses=("chatcmpl-1",)))
     assert await s.get(cid) is not None
     assert await s.conversation_of("chatcmpl-1") == cid
+
+
+async def test_chat_store_false_is_not_continuable(make_cluster: Any) -> None:
+    """The chat door's own ``store: false``: no response id recorded, so previous_response_id is 404."""
+    c = await make_cluster(1)
+    oc = client(c)
+    r = await oc.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], store=False)
+    with pytest.raises(openai.NotFoundError):
+        await oc.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "more"}],
+                                         extra_body={"previous_response_id": r.id})
+    kept = await oc.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    assert (await oc.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "more"}],
+                                             extra_body={"previous_response_id": kept.id})).choices
+
+
+async def test_response_store_bounds() -> None:
+    """Over 1 MiB: not kept (the response was answered); another tenant reads nothing; the TTL ends it."""
+    from kvgate.clock import VirtualClock
+    from kvgate.fronts.responses.store import MAX_RESPONSE_BYTES, MemoryResponseStore, Stored
+
+    clock = VirtualClock()
+    s = MemoryResponseStore(clock, ttl_s=10, max_total_bytes=4 * MAX_RESPONSE_BYTES)
+    assert not await s.put("resp_big", Stored("t", {"id": "resp_big"}, [{"text": "x" * MAX_RESPONSE_BYTES}]))
+    assert await s.get("resp_big", "t") is None
+    assert await s.put("resp_a", Stored("t", {"id": "resp_a"}, []))
+    assert await s.get("resp_a", "other") is None and not await s.delete("resp_a", "other")
+    assert (await s.get("resp_a", "t")) is not None
+    clock.advance_to(11)
+    assert await s.get("resp_a", "t") is None
