@@ -269,3 +269,19 @@ async def test_response_store_bounds() -> None:
     assert (await s.get("resp_a", "t")) is not None
     clock.advance_to(11)
     assert await s.get("resp_a", "t") is None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_length_is_incomplete(make_cluster: Any, stream: bool) -> None:
+    c = await make_cluster(1)
+    oc = client(c)
+    kw: dict[str, Any] = dict(model=MODEL, input="hello", max_output_tokens=3,
+                              extra_body={"sim": {"reasoning_tokens": 0, "answer_tokens": 50}})
+    if stream:
+        events = [e async for e in await oc.responses.create(stream=True, **kw)]
+        assert events[-1].type == "response.incomplete"
+        r = events[-1].response  # type: ignore[union-attr]
+    else:
+        r = await oc.responses.create(**kw)
+    assert r.status == "incomplete" and r.incomplete_details is not None
+    assert r.incomplete_details.reason == "max_output_tokens" and r.usage is not None and r.usage.output_tokens == 3
