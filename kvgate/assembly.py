@@ -1,4 +1,5 @@
-"""The gateway's ASGI app: wiring of pool, policy, session store and proxy behind the HTTP routes."""
+"""The gateway's composition root: builds every part once (pool, policy, stores, pipeline, observers)
+and the ASGI app with its routes and fronts (HTTP, the protocol doors, gRPC and the endpoint picker)."""
 
 from __future__ import annotations
 

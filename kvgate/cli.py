@@ -71,8 +71,8 @@ def _parse_worker(spec: str) -> dict[str, str]:
 
 
 async def _serve(args: argparse.Namespace) -> None:
+    from kvgate.assembly import create_app
     from kvgate.config import GatewaySettings
-    from kvgate.gateway.app import create_app
     from kvgate.serving import freeze_startup_heap, start_server
     from kvgate.settings_cli import overrides
 

@@ -16,8 +16,8 @@ from typing import Any, TypeVar
 
 import httpx
 
+from kvgate.assembly import create_app, make_client
 from kvgate.config import GatewaySettings, WorkerConfig
-from kvgate.gateway.app import create_app, make_client
 from kvgate.serving import ServerHandle, free_port, start_server
 from kvgate.sim.server import SimWorker
 from kvgate.sim.settings import SimSettings

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from kvgate import serving
+from kvgate.assembly import Gateway, create_app
 from kvgate.config import GatewaySettings, WorkerConfig
 from kvgate.dev.engines import free_ports
-from kvgate.gateway.app import Gateway, create_app
 from kvgate.serving import ServerHandle, start_server
 from kvgate.sim.server import SimWorker
 from kvgate.sim.settings import SimSettings

@@ -12,8 +12,8 @@ from typing import Any
 
 import httpx
 
+from kvgate.assembly import make_client
 from kvgate.demo import TurnResult, run_session
-from kvgate.gateway.app import make_client
 from kvgate.serving import start_server
 from tests.conftest import Cluster
 from tests.envoy import Envoy

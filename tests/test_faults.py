@@ -11,8 +11,8 @@ import httpx
 import openai
 import pytest
 
+from kvgate.assembly import create_app
 from kvgate.config import GatewaySettings, WorkerConfig
-from kvgate.gateway.app import create_app
 from kvgate.serving import start_server
 from kvgate.sim.server import SimWorker
 from kvgate.sim.settings import SimSettings

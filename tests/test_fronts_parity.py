@@ -15,8 +15,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from kvgate.assembly import create_app
 from kvgate.config import GatewaySettings, WorkerConfig
-from kvgate.gateway.app import create_app
 from kvgate.gateway.tracing import Tracing
 from kvgate.serving import ServerHandle, start_server
 from kvgate.sim.server import SimWorker

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvgate.gateway.app import create_app
+from kvgate.assembly import create_app
 from kvgate.router.types import WorkerId
 from kvgate.serving import start_server
 from kvgate.sim.server import SimWorker

@@ -11,8 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
+from kvgate.assembly import Gateway, create_app
 from kvgate.config import DnsDiscovery, GatewaySettings, WorkerTemplate
-from kvgate.gateway.app import Gateway, create_app
 from kvgate.router.types import ConversationId, WorkerId
 from kvgate.serving import ServerHandle, start_server
 from kvgate.sim.server import SimWorker

@@ -10,8 +10,8 @@ from typing import Any
 import httpx
 import redis.asyncio as aioredis
 
+from kvgate.assembly import create_app
 from kvgate.config import GatewaySettings, WorkerConfig
-from kvgate.gateway.app import create_app
 from kvgate.serving import start_server
 from tests.conftest import MODEL
 

@@ -12,8 +12,8 @@ import httpx
 import pytest
 from prometheus_client import generate_latest
 
+from kvgate.assembly import create_app
 from kvgate.config import GatewaySettings, WorkerConfig
-from kvgate.gateway.app import create_app
 from kvgate.gateway.cardinality import NO_TENANT, OTHER
 from kvgate.gateway.telemetry import GatewayMetrics, kv_bytes_per_token
 from kvgate.serving import start_server

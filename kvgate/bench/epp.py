@@ -34,8 +34,8 @@ from typing import Any
 
 import grpc
 
+from kvgate.assembly import Gateway, create_app, make_client
 from kvgate.config import GatewaySettings, WorkerConfig
-from kvgate.gateway.app import Gateway, create_app, make_client
 from kvgate.grpc.gen.envoy.config.core.v3 import base_pb2 as core
 from kvgate.grpc.gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from kvgate.grpc.gen.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as epgrpc

@@ -28,9 +28,9 @@ from typing import Any
 
 import httpx
 
+from kvgate.assembly import create_app
 from kvgate.bench.report import progress
 from kvgate.config import GatewaySettings, WorkerConfig
-from kvgate.gateway.app import create_app
 from kvgate.serving import ServerHandle, start_server
 from kvgate.sim.server import SimWorker
 from kvgate.sim.settings import SimSettings

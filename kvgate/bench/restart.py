@@ -18,9 +18,9 @@ from typing import Any
 
 import httpx
 
+from kvgate.assembly import create_app
 from kvgate.clock import MonotonicClock
 from kvgate.config import GatewaySettings, WorkerConfig
-from kvgate.gateway.app import create_app
 from kvgate.kvstore.conversations import ConversationStore, MemoryConversationStore
 from kvgate.kvstore.fleet import MemoryFleet
 from kvgate.serving import ServerHandle, start_server

@@ -19,8 +19,8 @@ from typing import Any
 
 import httpx
 
+from kvgate.assembly import Gateway, create_app, make_client
 from kvgate.config import GatewaySettings, WorkerConfig
-from kvgate.gateway.app import Gateway, create_app, make_client
 from kvgate.kvstore.redis_conversations import RedisConversationStore
 from kvgate.kvstore.redis_fleet import RedisFleet
 from kvgate.serving import ServerHandle, start_server

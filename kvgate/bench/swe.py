@@ -29,9 +29,9 @@ from typing import Any
 
 import httpx
 
+from kvgate.assembly import create_app, make_client
 from kvgate.bench.data import read_text
 from kvgate.config import GatewaySettings, WorkerConfig
-from kvgate.gateway.app import create_app, make_client
 from kvgate.serving import start_server
 from kvgate.sim.server import SimWorker
 from kvgate.sim.settings import SimSettings

@@ -24,9 +24,9 @@ from typing import Any
 
 import httpx
 
+from kvgate.assembly import create_app
 from kvgate.config import GatewaySettings, WorkerConfig
 from kvgate.dev.engines import metric_total
-from kvgate.gateway.app import create_app
 from kvgate.gateway.exchange import Usage
 from kvgate.serving import start_server
 

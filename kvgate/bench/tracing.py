@@ -21,8 +21,8 @@ from typing import Any
 
 import httpx
 
+from kvgate.assembly import create_app
 from kvgate.config import GatewaySettings, WorkerConfig
-from kvgate.gateway.app import create_app
 from kvgate.serving import start_server
 from kvgate.sim.server import SimWorker
 from kvgate.sim.settings import SimSettings

@@ -1,5 +1,5 @@
 """What the fronts (gRPC control, the endpoint picker, the admin routes, the protocol doors) take of the
-assembled gateway: its parts, not the assembly. ``kvgate.gateway.app.Gateway`` has them all; a front
+assembled gateway: its parts, not the assembly. ``kvgate.assembly.Gateway`` has them all; a front
 annotates with ``Parts`` so that it depends on the pipeline below it, never on what assembles it."""
 
 from __future__ import annotations

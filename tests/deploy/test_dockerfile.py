@@ -85,6 +85,6 @@ def test_every_copy_source_is_in_the_build_context() -> None:
         assert not dockerignore_allows(out), out
 
 
-@pytest.mark.parametrize("src", ["pyproject.toml", "README.md", "kvgate/gateway/app.py", "deploy/constraints.txt"])
+@pytest.mark.parametrize("src", ["pyproject.toml", "README.md", "kvgate/assembly.py", "deploy/constraints.txt"])
 def test_dockerignore_lets_the_build_inputs_through(src: str) -> None:
     assert dockerignore_allows(src)

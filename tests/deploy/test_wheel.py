@@ -76,9 +76,9 @@ def test_clean_venv_holds_exactly_the_constraints(venv: Path) -> None:
 
 def test_wheel_holds_runtime_code_only(venv: Path) -> None:
     code = ("import importlib.util as u; "
-            "print(*[m for m in ('kvgate.gateway.app', 'kvgate.sim.server', 'kvgate.bench', 'kvgate.dev') "
+            "print(*[m for m in ('kvgate.assembly', 'kvgate.sim.server', 'kvgate.bench', 'kvgate.dev') "
             "if u.find_spec(m)])")
-    assert _run([str(venv / "bin" / "python"), "-c", code], cwd="/").split() == ["kvgate.gateway.app",
+    assert _run([str(venv / "bin" / "python"), "-c", code], cwd="/").split() == ["kvgate.assembly",
                                                                                  "kvgate.sim.server"]
 
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import openai
 
+from kvgate.assembly import create_app
 from kvgate.config import GatewaySettings, WorkerConfig
-from kvgate.gateway.app import create_app
 from kvgate.router.cost import CostParams
 from kvgate.serving import start_server
 from tests.engine.conftest import Pair

@@ -7,10 +7,10 @@ from typing import Any
 
 import httpx
 
+from kvgate.assembly import create_app
 from kvgate.bench.data import SWE_TRAJECTORIES
 from kvgate.bench.swe import TOOLS, load_trajectories
 from kvgate.config import GatewaySettings, WorkerConfig
-from kvgate.gateway.app import create_app
 from kvgate.serving import start_server
 from tests.engine.conftest import Pair
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import httpx
 
+from kvgate.assembly import create_app
 from kvgate.config import GatewaySettings, WorkerConfig
-from kvgate.gateway.app import create_app
 from kvgate.gateway.auth import key_hash
 from kvgate.serving import start_server
 from kvgate.settings.auth import AuthSettings

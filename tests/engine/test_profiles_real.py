@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
+from kvgate.assembly import create_app
 from kvgate.config import GatewaySettings, WorkerConfig
 from kvgate.dev.engines import (
     EngineSet,
@@ -36,7 +37,6 @@ from kvgate.dev.engines import (
     wait_http,
 )
 from kvgate.dev.template_models import TEMPLATE_MODELS, TemplateModel
-from kvgate.gateway.app import create_app
 from kvgate.serving import start_server
 from kvgate.tokens.tokenizer import ChatTokenizer
 from tests.engine.conftest import reset_cache

@@ -20,7 +20,7 @@ from kvgate.gateway.prepare import read_json
 from kvgate.gateway.requests import validate_chat
 
 if TYPE_CHECKING:
-    from kvgate.gateway.app import Gateway
+    from kvgate.gateway.parts import Parts
 
 
 class MessagesFront:
@@ -58,13 +58,13 @@ def _blocks(body: Mapping[str, Any]) -> int:
                            if isinstance(m, dict) and isinstance(m.get("content"), list))
 
 
-def signer_for(gw: Gateway) -> Signer:
+def signer_for(gw: Parts) -> Signer:
     s = gw.settings
     secret = s.thinking_signature_secret or s.auth.cache_salt_secret
     return Signer(secret.get_secret_value().encode() if secret is not None else None)
 
 
-def add_routes(app: FastAPI, gw: Gateway) -> None:
+def add_routes(app: FastAPI, gw: Parts) -> None:
     front = MessagesFront(signer_for(gw))
 
     @app.post("/v1/messages")
@@ -81,7 +81,7 @@ def add_routes(app: FastAPI, gw: Gateway) -> None:
             return Response(status_code=499)
 
 
-async def _count(gw: Gateway, front: MessagesFront, request: Request) -> dict[str, Any]:
+async def _count(gw: Parts, front: MessagesFront, request: Request) -> dict[str, Any]:
     """The prompt's tokens as the model's chat template renders it (the tokens the engine would compute),
     from the local tokenizer or a worker's /tokenize; nothing is routed, recorded or admitted."""
     require(gw.auth, request.headers, proxy=True)
