@@ -19,6 +19,7 @@ from kvgate.clock import Clock
 from kvgate.config import GatewaySettings
 from kvgate.errors import ApiError, BadRequest, Conflict, NotFound, error_body
 from kvgate.fronts.responses import translate as t
+from kvgate.fronts.responses.items import to_messages
 from kvgate.fronts.responses.store import MemoryResponseStore, RedisResponseStore, ResponseStore, Stored
 from kvgate.fronts.responses.stream import translate_stream
 from kvgate.gateway.auth import Authenticator, require
@@ -62,7 +63,7 @@ class ResponsesFront:
             previous, conv = await self._previous(req.previous, tenant or "")
             known = _call_ids(conv.history)
             system = _instructions(conv, req.instructions)
-        messages = system + t.to_messages(req.items, known)
+        messages = system + to_messages(req.items, known)
         return t.chat_body(req, body, messages, previous)
 
     async def _previous(self, resp_id: str, tenant: str) -> tuple[str, Conversation]:
