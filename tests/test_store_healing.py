@@ -26,7 +26,7 @@ import msgpack
 import pytest
 import redis.asyncio as aioredis
 
-from kvgate.gateway.app import Gateway
+from kvgate.assembly import Gateway
 from kvgate.kvstore.redis_fleet import RedisFleet
 from kvgate.router.types import ConversationId, WorkerId
 from kvgate.session.state import WaitObserved
@@ -39,13 +39,15 @@ Writer = Callable[[aioredis.Redis, str, str], Awaitable[Any]]
 """(redis, key prefix, conversation id) -> writes the garbage."""
 
 
-def _head(schema: int, **fields: Any) -> bytes:
-    return msgpack.packb({"id": "<cid>", "schema": schema, "version": 1, **fields}, use_bin_type=True)
+def _head(schema: int, **fields: Any) -> dict[str, Any]:
+    """A well-formed head of codec ``schema`` but for ``fields`` (its id: the conversation's own)."""
+    return {"schema": schema, "version": 1, **fields}
 
 
-def head_data(value: bytes) -> Writer:
+def head_data(value: bytes | dict[str, Any]) -> Writer:
     async def w(r: aioredis.Redis, prefix: str, cid: str) -> None:
-        await r.hset(f"{prefix}{{{cid}}}:h", "data", value.replace(b"<cid>", cid.encode()))
+        data = value if isinstance(value, bytes) else msgpack.packb({"id": cid, **value}, use_bin_type=True)
+        await r.hset(f"{prefix}{{{cid}}}:h", "data", data)
     return w
 
 
@@ -93,7 +95,8 @@ CONVERSATION_CASES: list[tuple[str, Writer]] = [
     ("head truncated", truncated_head()),
     ("head huge", head_data(HUGE)),
     ("head a list", head_data(msgpack.packb([1, 2, 3]))),
-    ("head id of another conversation", head_data(_head(1).replace(b"<cid>", b"someone-else"))),
+    ("head id of another conversation", head_data(msgpack.packb({"id": "someone-else", "schema": 1}))),
+    ("head v1 turn count a float", head_data(_head(1, turns=[], turn_count=-0.5))),
     ("head v1 turns a string", head_data(_head(1, turns="many"))),
     ("head v1 turn tokens a string", head_data(_head(1, turns=[{"worker": "w", "reason": "r", "prompt_tokens": "x",
                                                                 "cached_tokens": 0, "completion_tokens": 0,

@@ -3,10 +3,10 @@ store is bounded (``KVGATE_MAX_STORE_BYTES``, 8 MiB here) as distinct conversati
 
 One simulated worker runs as a process, the gateway as another (memory store, as deployed with one
 replica); this process is the clients: ``N`` conversations of one turn each, every prompt ~2,500 tokens
-of its own (so no two records share their text, tokens or block hashes), 16 at a time. Reported: the
-gateway's RSS after a warm-up turn and after the ``N`` conversations, and the records' size as the store
-counts it (``/admin/store``, when the gateway has it). What the bound is for: the RSS must stop growing
-with ``N`` once the records fill it.
+of its own (so no two records share their text, tokens or block hashes), 16 at a time, on a worker with
+vLLM's default 16-token blocks (a record keeps a block hash per block). Reported: the
+gateway's RSS after a warm-up turn and after the ``N`` conversations. What the bound is for: the RSS
+must stop growing with ``N`` once the records fill it.
 """
 
 from __future__ import annotations
@@ -57,22 +57,24 @@ async def clients(url: str, n: int, words: int, concurrency: int = 16) -> tuple[
     return ok, last
 
 
-def run(counts: tuple[int, ...], words: int, run_dir: Path) -> str:
+def run(counts: tuple[int, ...], words: int, run_dir: Path, block_size: int = 16) -> str:
     model_dir = ensure_tiny_model()
     lines = [f"`kvgate serve`, memory store bounded to {BOUND >> 20} MiB (KVGATE_MAX_STORE_BYTES), one turn per "
-             f"conversation", "", "| conversations | prompt tokens | answered | RSS after warm-up (MB) | RSS after "
-             "(MB) | seconds |", "|---|---|---|---|---|---|"]
+             f"conversation, {block_size}-token KV blocks", "",
+             "| conversations | prompt tokens | answered | RSS after warm-up (MB) | RSS after (MB) | seconds |",
+             "|---|---|---|---|---|---|"]
     for n in counts:
         engines = EngineSet(run_dir=run_dir)
         sim_port, gw_port = free_ports(2)
         try:
             sim = spawn("sim", [sys.executable, "-m", "kvgate.cli", "--log-level", "WARNING", "sim", "--port",
-                                str(sim_port), "--speed", "1000"], {"KVGATE_SIM_MODEL_DIR": str(model_dir)},
-                        engines.run_dir)
+                                str(sim_port), "--speed", "1000", "--block-size", str(block_size)],
+                        {"KVGATE_SIM_MODEL_DIR": str(model_dir)}, engines.run_dir)
             sim.url = f"http://127.0.0.1:{sim_port}"
             engines.procs.append(sim)
             wait_http(sim, sim.url + "/health", 60)
-            env = {"KVGATE_WORKERS": json.dumps([{"url": sim.url, "model": MODEL, "engine": "sim"}]),
+            env = {"KVGATE_WORKERS": json.dumps([{"url": sim.url, "model": MODEL, "engine": "sim",
+                                                  "block_size": block_size}]),
                    "KVGATE_TOKENIZERS": json.dumps({MODEL: str(model_dir)}), "KVGATE_MAX_STORE_BYTES": str(BOUND)}
             gw = spawn("kvgate", [sys.executable, "-m", "kvgate.cli", "--log-level", "WARNING", "serve", "--port",
                                   str(gw_port)], env, engines.run_dir)
@@ -94,9 +96,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--conversations", type=int, nargs="+", default=[2_000, 20_000])
     ap.add_argument("--words", type=int, default=610, help="words of each prompt (~2,500 tokens by default)")
+    ap.add_argument("--block-size", type=int, default=16, help="the worker's KV block size (vLLM's default: 16)")
     ap.add_argument("--out", type=Path, default=Path("bench-out/storemem"))
     a = ap.parse_args()
-    print(run(tuple(a.conversations), a.words, a.out))
+    print(run(tuple(a.conversations), a.words, a.out, a.block_size))
 
 
 if __name__ == "__main__":
