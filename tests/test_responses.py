@@ -285,3 +285,29 @@ async def test_length_is_incomplete(make_cluster: Any, stream: bool) -> None:
         r = await oc.responses.create(**kw)
     assert r.status == "incomplete" and r.incomplete_details is not None
     assert r.incomplete_details.reason == "max_output_tokens" and r.usage is not None and r.usage.output_tokens == 3
+
+
+async def test_stream_lost_mid_way_is_response_failed() -> None:
+    """The relay's error event (a worker lost mid-stream) after some output: response.failed, not
+    response.completed, and nothing is kept."""
+    from collections.abc import AsyncIterator
+
+    from kvgate.fronts.responses.stream import translate_stream
+    from kvgate.fronts.responses.translate import read_request
+    from kvgate.gateway.sse import error_event
+
+    async def chat() -> AsyncIterator[bytes]:
+        yield b'data: {"id": "chatcmpl-1", "choices": [{"index": 0, "delta": {"content": "Hel"}}]}\n\n'
+        yield error_event("worker w1 failed mid-stream: reset")
+
+    kept: list[Any] = []
+
+    async def done(resp: dict[str, Any]) -> None:
+        kept.append(resp)
+
+    out = [json.loads(b.split(b"data: ", 1)[1]) async for b in
+           translate_stream(chat(), read_request({"model": MODEL, "input": "hi"}), 0.0, done)]
+    kinds = [e["type"] for e in out]
+    assert kinds[-1] == "response.failed" and "response.completed" not in kinds and not kept
+    assert out[-1]["response"]["output"][0]["content"][0]["text"] == "Hel"
+    assert [e["sequence_number"] for e in out] == list(range(len(out)))
