@@ -62,6 +62,7 @@ async def tool_loop(oc: openai.AsyncOpenAI, steps: int, *, stream: bool = False,
 
 
 def assert_one_worker_growing(turns: list[tuple[str, int, int, int, Any]]) -> None:
+    print("input/cached/expected per step:", [(p, ct, e) for _, p, ct, e, _ in turns])
     assert len({w for w, *_ in turns}) == 1
     cached = [ct for _, _, ct, _, _ in turns]
     assert cached[0] == 0 and all(b > a for a, b in itertools.pairwise(cached)), cached
