@@ -4,6 +4,7 @@ and the ASGI app with its routes and fronts (HTTP, the protocol doors, gRPC and 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import time
@@ -63,6 +64,7 @@ from kvgate.grpc.server import start_grpc
 from kvgate.kvstore.conversations import ConversationStore, MemoryConversationStore
 from kvgate.kvstore.fleet import FleetStore, MemoryFleet
 from kvgate.kvstore.grouping import GroupingIndex, MemoryGroupingIndex, RedisGroupingIndex
+from kvgate.kvstore.health import HealthBoard, RedisHealthBoard
 from kvgate.kvstore.policy import MemoryPolicyStore, PolicyStore, RedisPolicyStore
 from kvgate.kvstore.redis_conversations import RedisConversationStore
 from kvgate.kvstore.redis_fleet import RedisFleet
@@ -94,6 +96,14 @@ def make_stores(settings: GatewaySettings, clock: Clock) -> tuple[ConversationSt
                 RedisFleet(settings.redis_url, settings.redis_prefix, cluster=settings.redis_cluster))
     return (MemoryConversationStore(clock, settings.session_ttl_s, settings.max_sessions, settings.max_store_bytes),
             MemoryFleet())
+
+
+def make_health_board(settings: GatewaySettings) -> HealthBoard | None:
+    """Where replicas tell each other of the workers they ejected (kvstore/health.py): their shared Redis."""
+    if settings.session_store != "redis":
+        return None
+    return RedisHealthBoard(settings.redis_url, settings.redis_prefix, 10 * settings.health_interval_s + 60,
+                            cluster=settings.redis_cluster)
 
 
 def make_policy_store(settings: GatewaySettings) -> PolicyStore:
@@ -149,6 +159,7 @@ class Gateway:
         self.loop_lag = LoopLag()
         self._lag_task: asyncio.Task[None] | None = None
         self.pool.blames_loop = self.loop_lag.blames_loop
+        self.pool.board = make_health_board(settings)
         self.pool.connect_timeout_s = settings.upstream_connect_timeout_s
         self.policy: Policy = make_policy(settings.policy, PolicyParams(settings.affinity_epsilon, settings.cost))
         # The cost model prices background prefills and tier loads whatever the routing policy; when it
@@ -230,6 +241,8 @@ class Gateway:
         self._lag_task = asyncio.create_task(self.loop_lag.run(), name="kvgate-loop-lag")
         await self.auth.start()
         await self.pool.check_all()  # know who is healthy before the first request
+        with contextlib.suppress(Exception):  # and who the fleet ejected (advice: never a reason not to start)
+            await self.pool.learn()
         await learn_context(self.prompt_limits, self.client, ((w.config.model, w.config.url) for w in self.pool.all()))
         await self.subscriber.start()
         await self.subscriber.wait_synced(self.settings.kv_events_sync_timeout_s)
@@ -269,6 +282,8 @@ class Gateway:
         if self.membership is not None:
             await self.membership.stop()
         await self.pool.stop()
+        if self.pool.board is not None:
+            await self.pool.board.close()
         await self.subscriber.stop()
         await self.upstream.aclose()
         await self.client.aclose()

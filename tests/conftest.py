@@ -89,12 +89,14 @@ async def make_cluster(model_dir: Path) -> AsyncIterator[Any]:
 
     async def make(n: int = 2, sim: dict[str, Any] | None = None, events: bool = False, tokenizer: bool = True,
                    replicas: int = 1, per_sim: list[dict[str, Any]] | None = None,
-                   worker: dict[str, Any] | None = None, **gw: Any) -> Cluster:
+                   worker: dict[str, Any] | None = None, extra_workers: list[dict[str, Any]] | None = None,
+                   **gw: Any) -> Cluster:
         """``events``: the simulated workers publish KV events and the gateway subscribes (precise mode);
         otherwise the cost model runs on what it routed (approximate mode). ``replicas``: gateways that
         share the workers (and, with ``session_store="redis"``, the conversations). ``per_sim``: settings
         of each simulated worker on top of ``sim``; ``worker``: what the gateway is told of every worker
-        (by default the simulator's block size)."""
+        (by default the simulator's block size); ``extra_workers``: more workers' settings (servers the
+        test runs itself)."""
         c = Cluster()
         clusters.append(c)
         for i in range(n):
@@ -113,7 +115,8 @@ async def make_cluster(model_dir: Path) -> AsyncIterator[Any]:
         settings = GatewaySettings(
             workers=[WorkerConfig(**{"url": h.url, "model": MODEL, "block_size": w.profile.block_size,
                                      "engine": "sim" if w.settings.engine == "vllm" else "sglang",
-                                     "kv_events": "auto" if events else None, **(worker or {})}) for w, h in c.sims],
+                                     "kv_events": "auto" if events else None, **(worker or {})}) for w, h in c.sims]
+            + [WorkerConfig(**x) for x in extra_workers or ()],
             **gw)
         for _ in range(replicas):
             c.replicas.append(await start_server(create_app(settings)))

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -23,6 +25,7 @@ from kvgate.clock import Clock
 from kvgate.config import WorkerConfig
 from kvgate.gateway.enginemetrics import EngineMetrics, parse_metrics
 from kvgate.gateway.health import Health, HealthTracker
+from kvgate.kvstore.health import HealthBoard
 from kvgate.router.hashing import HASH_ALGOS, HashSpec
 from kvgate.router.types import FleetView, WorkerId, WorkerView
 
@@ -122,6 +125,11 @@ class PoolCollector(Collector):
         for (wid, sig), n in self._pool.restarts.items():
             r.add_metric([wid, sig], n)
         yield r
+        yield CounterMetricFamily("kvgate_worker_ejections_learned", "Workers ejected here because another "
+                                  "replica ejected them (the shared health board).", value=self._pool.learned_ejections)
+        yield CounterMetricFamily("kvgate_worker_timeouts_loop_blamed", "Connect and health-check timeouts not "
+                                  "counted against a worker: kvgate's own event loop ran late.",
+                                  value=self._pool.loop_blamed)
 
 
 class WorkerPool:
@@ -145,6 +153,13 @@ class WorkerPool:
         """The proxied requests' connect timeout (a ``ConnectTimeout`` failure is judged against it)."""
         self.loop_blamed = 0
         """Timeouts not counted against a worker because the loop was late."""
+        self.board: HealthBoard | None = None
+        """Where ejections are shared with the other replicas (kvstore/health.py); None: not shared."""
+        self.replica = uuid.uuid4().hex[:12]
+        self._learned: dict[WorkerId, float] = {}
+        """Per worker, the newest board entry already applied here."""
+        self.learned_ejections = 0
+        self._posting: set[asyncio.Task[None]] = set()
         """Workers that left, kept (bounded) so late accounting calls and lookups still find them."""
         self._client = client
         self._clock = clock
@@ -300,6 +315,31 @@ class WorkerPool:
             log.warning("worker %s ejected (%s, %d failure(s) in a row): %s", w.id,
                         "on probation" if was is Health.PROBATION else "hard failure" if hard else "soft failures",
                         w.health.failures, error)
+            self._post(w.id)
+
+    def _post(self, wid: WorkerId) -> None:
+        """Tell the other replicas (off the caller's path: an ejection happens inside a request)."""
+        if self.board is None:
+            return
+        with contextlib.suppress(RuntimeError):  # no running loop (a unit test's pool): nothing to tell
+            task = asyncio.get_running_loop().create_task(self.board.ejected(wid, time.time(), self.replica))
+            self._posting.add(task)
+            task.add_done_callback(self._posting.discard)
+
+    async def learn(self) -> None:
+        """Eject here what another replica ejected since this one last looked; this replica's own next check
+        then decides (an answering worker comes back on probation)."""
+        if self.board is None:
+            return
+        for wid, (at, by) in (await self.board.read()).items():
+            w = self._workers.get(WorkerId(wid))
+            if w is None or by == self.replica or at <= self._learned.get(w.id, 0.0):
+                continue
+            self._learned[w.id] = at
+            if w.health.eligible and not w.draining:
+                w.health.failure(hard=True)  # up before, so its next good check is probation
+                self.learned_ejections += 1
+                log.warning("worker %s ejected: replica %s ejected it at %.3f", w.id, by, at)
 
     def _success(self, w: WorkerState) -> bool:
         """True when the worker is let back after an ejection (it may have restarted meanwhile)."""
@@ -396,6 +436,10 @@ class WorkerPool:
     async def _loop(self) -> None:
         while True:
             await self.check_all()
+            try:
+                await self.learn()
+            except Exception:  # the board is advice: a bad round must not stop the checks
+                log.exception("health board")
             await asyncio.sleep(self._interval)
 
     def start(self) -> None:
