@@ -168,7 +168,7 @@ class Gateway:
         self.policy_log = PolicyLog()
         self.store, self.fleet = stores or make_stores(settings, self.clock)
         self.prefix = PrefixKnowledge(self.pool.spec, self.pool.specs, settings.approx_ttl_s,
-                                      settings.inflight_ttl_s)
+                                      settings.inflight_ttl_s, self.pool.capacity_tokens)
         self.subscriber = KvEventSubscriber(self.prefix.events, settings.workers, self.client,
                                             warm_start=settings.kv_events_warm_start)
         # A worker that restarted (or is back after being out) is expected to hold nothing until its

@@ -30,12 +30,19 @@ SpecsOf = Callable[[str], Sequence[HashSpec]]
 
 
 class PrefixKnowledge:
-    def __init__(self, spec_of: SpecOf, specs_of: SpecsOf, approx_ttl_s: float, inflight_ttl_s: float = 30.0
-                 ) -> None:
+    def __init__(self, spec_of: SpecOf, specs_of: SpecsOf, approx_ttl_s: float, inflight_ttl_s: float = 30.0,
+                 capacity_tokens: Callable[[WorkerId], int] | None = None) -> None:
+        """``capacity_tokens``: a worker's KV capacity (0: unknown); the approximate indexes hold no more
+        of a worker's blocks than it can."""
         self.index = PrefixIndex()
         self.events = KvEventState(self.index, on_stored=self._arrived)
-        self.approx = ApproxIndex(approx_ttl_s)
-        self.inflight = ApproxIndex(inflight_ttl_s)
+
+        def blocks(w: WorkerId) -> int:
+            spec = spec_of(w)
+            return capacity_tokens(w) // spec.block_size if capacity_tokens is not None and spec is not None else 0
+
+        self.approx = ApproxIndex(approx_ttl_s, blocks)
+        self.inflight = ApproxIndex(inflight_ttl_s, blocks)
         self._spec_of = spec_of
         self._specs_of = specs_of
         self._approx_spec: dict[WorkerId, HashSpec] = {}

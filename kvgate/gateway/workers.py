@@ -317,6 +317,11 @@ class WorkerPool:
                         w.health.failures, error)
             self._post(w.id)
 
+    def capacity_tokens(self, wid: WorkerId) -> int:
+        """A worker's KV capacity in tokens, as configured or as its engine reports it (0: not known)."""
+        w = self._workers.get(wid)
+        return (w.config.kv_capacity_tokens or w.kv_capacity) if w is not None else 0
+
     def _post(self, wid: WorkerId) -> None:
         """Tell the other replicas (off the caller's path: an ejection happens inside a request)."""
         if self.board is None:

@@ -3,20 +3,27 @@ routed stays cached on that worker for ``ttl_s`` after the last time it was rout
 and Dynamo's approximate indexers do). Pure: the caller passes the time.
 
 The same structure, with a short TTL, holds the prompts in flight on workers that do publish events
-(``gateway/prefix.py``): counted there from dispatch until their blocks arrive by events (``forget``)."""
+(``gateway/prefix.py``): counted there from dispatch until their blocks arrive by events (``forget``).
+
+Bounded by what the worker can hold: no worker caches more blocks than its KV capacity, so a worker's
+blocks past ``capacity(worker)`` are forgotten least recently routed first — without it the index grew
+with every distinct prompt routed within the TTL (~9 KB a 2,500-token conversation at 16-token blocks,
+issue 24's memory finding), whatever the store's byte bound."""
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvgate.router.index import PrefixIndex
 from kvgate.router.types import WorkerId
 
 
 class ApproxIndex:
-    def __init__(self, ttl_s: float) -> None:
+    def __init__(self, ttl_s: float, capacity: Callable[[WorkerId], int] | None = None) -> None:
+        """``capacity``: a worker's KV capacity in blocks (0: not known, not bounded)."""
         self.ttl_s = ttl_s
+        self._capacity = capacity
         self.index = PrefixIndex()
         self._latest: dict[WorkerId, dict[int, float]] = {}
         self._expiry: list[tuple[float, int, WorkerId, tuple[int, ...]]] = []
@@ -29,9 +36,16 @@ class ApproxIndex:
         self.index.store(worker, hashes)
         latest = self._latest.setdefault(worker, {})
         for h in hashes:
+            latest.pop(h, None)  # to the end: the dict's order is the order blocks were last routed
             latest[h] = until
         self._seq += 1
         heapq.heappush(self._expiry, (until, self._seq, worker, tuple(hashes)))
+        cap = self._capacity(worker) if self._capacity is not None else 0
+        if 0 < cap < len(latest):
+            over = [h for h, _ in zip(latest, range(len(latest) - cap), strict=False)]
+            for h in over:
+                del latest[h]
+            self.index.remove(worker, over)
 
     def expire(self, now: float) -> None:
         while self._expiry and self._expiry[0][0] <= now:
