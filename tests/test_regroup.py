@@ -55,3 +55,9 @@ def test_vote() -> None:
     assert vote([None, a, b, a, None]) == a
     assert vote([None, a, b]) is None  # shared messages say nothing
     assert vote([None, None]) is None and vote([]) is None
+
+
+def test_hostile_arguments_are_digested_as_text_not_parsed_past_the_limits() -> None:
+    deep = call("[" * 100_000)
+    d = message_digest(deep)
+    assert d is not None and d == message_digest(call("[" * 100_000)) != message_digest(call("[" * 99_999))

@@ -23,6 +23,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvgate import safejson
 from kvgate.router.types import ConversationId
 
 MIN_CHARS = 24
@@ -51,12 +52,11 @@ def _text(content: Any) -> str:
 
 
 def _arguments(raw: Any) -> Any:
-    # Clients re-dump arguments (other key order, other spacing): the digest is of what they mean.
+    # Clients re-dump arguments (other key order, other spacing): the digest is of what they mean. Parsed
+    # within kvgate's JSON limits: hostile arguments ("[[[[...") are the client's text, digested as it is.
     if isinstance(raw, str):
-        try:
-            return json.loads(raw)
-        except ValueError:
-            return raw
+        ok, doc = safejson.try_loads(raw)
+        return doc if ok else raw
     return raw
 
 
@@ -75,7 +75,7 @@ def message_digest(m: Mapping[str, Any]) -> str | None:
         return None
     try:
         data = json.dumps([role, text, calls], sort_keys=True, ensure_ascii=False)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):
         return None
     return hashlib.blake2b(data.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
