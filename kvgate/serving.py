@@ -108,10 +108,12 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 async def start_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0, *,
-                       graceful_timeout_s: float | None = None, on_drain: Callable[[], None] | None = None,
+                       graceful_timeout_s: float | None = 10.0, on_drain: Callable[[], None] | None = None,
                        install_signal_handlers: bool = False, limits: ConnectionLimits | None = None
                        ) -> ServerHandle:
-    """``limits``: header deadline and size, keep-alive, connection cap (the defaults unless given)."""
+    """``limits``: header deadline and size, keep-alive, connection cap (the defaults unless given).
+    ``graceful_timeout_s``: how long a stop waits for open connections and requests (None: for ever —
+    a peer that keeps a connection open then holds the stop; a test suite hung on one once)."""
     sock = bind(host, port)
     graceful = None if graceful_timeout_s is None else max(1, round(graceful_timeout_s))
     config = GuardedConfig(app, ConnectionPolicy.from_limits(limits or ConnectionLimits()), log_level="warning",
