@@ -540,6 +540,19 @@ N_CHAT, N_COMPLETION, N_ADMIN, N_PATCH, N_RAW, N_CONCURRENT = (
     max(1, round(n * SCALE)) for n in (500, 200, 120, 180, 100, 200))
 
 
+def drawn_bodies(edge_cases: list[Any], bases: st.SearchStrategy[dict[str, Any]], n: int) -> list[bytes]:
+    """A door's fuzz corpus: its hand-written edge cases, then ``n`` derandomized mutations of ``bases``
+    (shared by tests/test_fuzz_messages.py and tests/test_fuzz_responses.py)."""
+    bodies: list[bytes] = [json.dumps(d).encode() for d in edge_cases]
+
+    @given(doc=mutated(bases), data=st.data())
+    def draw(doc: Any, data: st.DataObject) -> None:
+        bodies.append(data.draw(encoded(doc)))
+
+    settings(FUZZ, max_examples=n)(draw)()
+    return bodies
+
+
 ADMIN_PATHS = st.sampled_from(["/admin/policy", "/admin/workers", "/admin/tiers", "/v1/models", "/health", "/ready",
                                "/metrics", "/v1/responses", "/v1/embeddings", "/admin", "/admin/", "/",
                                "/admin/conversations/", "/v1/chat/completions"])

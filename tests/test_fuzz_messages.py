@@ -6,18 +6,16 @@ that names the problem (never the proxy's catch-all), never a 5xx, and leaves no
 from __future__ import annotations
 
 import copy
-import json
 from collections import Counter
 from typing import Any
 
 import httpx
-from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvgate.fronts.messages.signing import Signer
 from kvgate.router.types import ConversationId
 from tests.conftest import MODEL, Cluster
-from tests.test_fuzz import FUZZ, encoded, mutated, nest
+from tests.test_fuzz import drawn_bodies, nest
 
 N_MUTATED = 400
 THOUGHT = "I should look at the failing test first."
@@ -121,13 +119,7 @@ def _check(r: httpx.Response, tally: Counter[str], findings: list[str], what: st
 
 async def test_fuzz_messages(make_cluster: Any) -> None:
     c: Cluster = await make_cluster(1)
-    bodies: list[bytes] = [json.dumps(d).encode() for d in _edge_cases()]
-
-    @given(doc=mutated(BASES), data=st.data())
-    def draw(doc: Any, data: st.DataObject) -> None:
-        bodies.append(data.draw(encoded(doc)))
-
-    settings(FUZZ, max_examples=N_MUTATED)(draw)()
+    bodies = drawn_bodies(_edge_cases(), BASES, N_MUTATED)
     tally: Counter[str] = Counter()
     findings: list[str] = []
     refused: list[str] = []
