@@ -138,6 +138,57 @@ class SessionAffinity:
 
 
 @dataclass(frozen=True, slots=True)
+class TierCredits:
+    """Dynamo's KV router's overlap credits per tier (its ``--router-kv-overlap-score-credit``,
+    ``--router-host-cache-hit-weight``, ``--router-disk-cache-hit-weight`` and the experimental
+    shared-pool multiplier; defaults as documented for Dynamo 1.2–1.3) and ``--router-prefill-load-scale``."""
+
+    gpu: float = 1.0
+    host: float = 0.75
+    disk: float = 0.25
+    """kvgate's tiers have no disk tier; kept so the credits are Dynamo's whole set."""
+    pool: float = 0.5
+    prefill_load_scale: float = 1.0
+
+
+class DynamoCredits:
+    """Dynamo's KV router cost over kvgate's index and tier knowledge (a reference policy, not kvgate's)::
+
+        overlap  = gpu · GPU-hit blocks + host · CPU-tier blocks + pool · shared-pool blocks
+        prefill  = max(active prefill blocks + prompt blocks − overlap, 0)
+        cost     = prefill_load_scale · prefill + active decode blocks + prompt blocks
+
+    lowest cost wins (Dynamo's temperature 0). Its "active" blocks are the worker's requests in flight:
+    here kvgate's accounting (pending prefill tokens, decoding context tokens). Ties, which Dynamo breaks
+    at random, are broken by a hash of conversation and worker, so a run is reproducible and cold
+    conversations still spread."""
+
+    name = "dynamo_credits"
+
+    def __init__(self, credits: TierCredits | None = None) -> None:
+        self.credits = credits or TierCredits()
+        self._split = CostModel(CostParams())  # only its tier split of a worker's reusable prefix
+
+    def cost(self, request: RouteRequest, w: WorkerView) -> float:
+        c, bs = self.credits, request.block_size
+        r = self._split.reuse(request, w)
+        overlap = (c.gpu * r.gpu + c.host * r.cpu + c.pool * r.remote) / bs
+        blocks = -(-request.prompt_tokens // bs)
+        prefill = max(w.pending_prefill_tokens / bs + blocks - overlap, 0.0)
+        return c.prefill_load_scale * prefill + w.decode_tokens / bs + blocks
+
+    def pick(self, request: RouteRequest, fleet: FleetView) -> Decision | None:
+        workers = _eligible(request, fleet)
+        if not workers:
+            return None
+        scores = {w.id: self.cost(request, w) for w in workers}
+        best = min(workers, key=lambda w: (scores[w.id], _h64(f"{request.conversation_id}|{w.id}")))
+        r = self._split.reuse(request, best)
+        return Decision(worker=best.id, reason="dynamo_cost", expected_cached_tokens=r.total, scores=scores,
+                        expected_loaded_tokens=r.cpu + r.remote, expected_remote_tokens=r.remote, tier=r.tier)
+
+
+@dataclass(frozen=True, slots=True)
 class PolicyParams:
     """What the policies are built from (the gateway's settings, or a benchmark's)."""
 
@@ -150,6 +201,7 @@ POLICIES: dict[str, Callable[[PolicyParams], Policy]] = {
     "least_loaded": lambda p: LeastLoaded(),
     "session_affinity": lambda p: SessionAffinity(p.affinity_epsilon),
     "cost_model": lambda p: CostModel(p.cost.model_copy()),
+    "dynamo_credits": lambda p: DynamoCredits(),
 }
 
 

@@ -8,6 +8,10 @@ identity is the same, only the function differs). As LMCache 0.5.6's multiproces
 L1 and at once through to L2 (generated tokens only with ``save_decode_cache``); a lookup walks chunks
 from the start and stops at the first one neither tier holds; what a lookup loads from L2 is *not*
 kept in L1 — only an explicit prefetch (``POST /cache/prefetches``) retains it there.
+
+A shared pool (vLLM + Mooncake store: every worker writes the prefix KV it computes to one pool of the
+fleet's host memory, any worker loads it) is the same L2 with the pool's rates and no L1 (``cpu=None``);
+``FleetTiers`` has the sizes and rates and where they come from.
 """
 
 from __future__ import annotations
@@ -71,9 +75,10 @@ class TierPool:
 
 @dataclass(slots=True)
 class EngineTiers:
-    """One engine's view: its node's L1, the fleet's L2 (optional), and what a load costs."""
+    """One engine's view: its node's L1 (None: a pool-only engine), the fleet's L2 or shared pool
+    (optional), and what a load costs."""
 
-    cpu: TierPool
+    cpu: TierPool | None
     remote: TierPool | None
     chunk_tokens: int = 256
     kv_bytes_per_token: int = 131_072
@@ -90,7 +95,7 @@ class EngineTiers:
         """Where each leading chunk is (``cpu`` or ``remote``), up to the first one no tier holds."""
         out: list[str] = []
         for k in keys:
-            if k in self.cpu:
+            if self.cpu is not None and k in self.cpu:
                 out.append("cpu")
             elif self.remote is not None and k in self.remote:
                 out.append("remote")
@@ -100,20 +105,22 @@ class EngineTiers:
 
     def retrieve(self, keys: Sequence[BlockHash]) -> None:
         """A load: refresh what L1 served and what L2 served, without copying L2's into L1."""
-        self.cpu.touch(keys)
+        if self.cpu is not None:
+            self.cpu.touch(keys)
         if self.remote is not None:
             self.remote.touch(keys)
 
     def prefetch(self, keys: Sequence[BlockHash]) -> int:
         """Warm L1 from L2 (kept there); returns the chunks copied."""
-        if self.remote is None:
+        if self.remote is None or self.cpu is None:
             return 0
         missing = [k for k in keys if k not in self.cpu and k in self.remote]
         self.cpu.put(missing)
         return len(missing)
 
     def store(self, keys: Sequence[BlockHash]) -> None:
-        self.cpu.put(keys)
+        if self.cpu is not None:
+            self.cpu.put(keys)
         if self.remote is not None:
             self.remote.put(keys)
 
@@ -123,3 +130,45 @@ class EngineTiers:
             ms += self.remote_rtt_ms + remote_chunks * self.chunk_tokens * self.kv_bytes_per_token / (
                 self.remote_gbps * 1e6)
         return ms
+
+
+MOONCAKE_POOL_GBPS = 20.0
+"""A shared pool's load rate into one worker: Mooncake's Transfer Engine moves 87 GB/s over 4 × 200 Gbps
+RoCE NICs (its published benchmark, ~22 GB/s a NIC), so one NIC per GPU gives ~20 GB/s — as fast as the
+node's own PCIe copy. Generous to the pool: a third-party vLLM MooncakeConnector microbenchmark measured
+5–7 GB/s effective. The baseline gets the fast number so that a router that beats it beats it anyway."""
+MOONCAKE_POOL_RTT_MS = 0.5
+"""One Get: a metadata lookup at the store's master plus the RDMA read setup (A: sub-millisecond)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FleetTiers:
+    """A tiered fleet for the replay benchmarks: per node an L1 of ``cpu_tokens_per_node`` (0: none) and
+    one shared pool of ``pool_tokens`` (None: unbounded) that every computed prompt chunk is written
+    through to. Loads cost ``kv_bytes_per_token`` over the tier's rate (plus one round trip from the pool)."""
+
+    workers_per_node: int = 2
+    cpu_tokens_per_node: int = 2 * 1_048_576
+    """Each worker's share of its node's L1 as large as its GPU KV (A: host DRAM ≥ HBM on GPU servers)."""
+    pool_tokens: int | None = None
+    chunk_tokens: int = 256
+    kv_bytes_per_token: int = 131_072
+    cpu_gbps: float = 20.0
+    pool_gbps: float = MOONCAKE_POOL_GBPS
+    pool_rtt_ms: float = MOONCAKE_POOL_RTT_MS
+
+    def node_of(self, worker: int) -> str:
+        return f"node{worker // self.workers_per_node}"
+
+    def pools(self, n_workers: int) -> tuple[dict[str, TierPool], TierPool]:
+        """Fresh tiers for a fleet of ``n_workers``: the nodes' L1s (none when ``cpu_tokens_per_node``
+        is 0) and the shared pool."""
+        nodes = sorted({self.node_of(i) for i in range(n_workers)})
+        per = self.chunk_tokens
+        cpu = ({n: TierPool(f"cpu:{n}", self.cpu_tokens_per_node // per) for n in nodes}
+               if self.cpu_tokens_per_node else {})
+        return cpu, TierPool("pool", None if self.pool_tokens is None else self.pool_tokens // per)
+
+    def engine_tiers(self, worker: int, cpu: dict[str, TierPool], pool: TierPool) -> EngineTiers:
+        return EngineTiers(cpu.get(self.node_of(worker)), pool, self.chunk_tokens, self.kv_bytes_per_token,
+                           self.cpu_gbps, self.pool_gbps, self.pool_rtt_ms)
