@@ -154,3 +154,27 @@ def test_generated_workloads_are_valid_traces() -> None:
     ag = to_trace(agentic_sessions(replace(AGENTIC, sessions=6, seed=3)))
     assert ag and all(r.hash_ids and r.input_length > 0 and r.output_length > 0 for r in ag)
     assert unbounded_reuse(ag) > 0.5  # agent sessions resend their history
+
+
+def test_tiered_fleet_modes_load_from_their_tiers_and_kvgate_reuses_at_least_gpu_only() -> None:
+    from kvgate.bench.mooncake import fleet_tiers
+    from kvgate.bench.workloads import agentic
+
+    trace = sorted(agentic(7), key=lambda r: (r.arrival_s, r.id))[:200]
+    prof = get_profile("dynamo-mocker").with_overrides(num_blocks=1024)  # 64k tokens a worker: it overflows
+    reuse = {}
+    for mode in ("kvgate_precise", "round_robin_pool", "dynamo_credits", "kvgate_tiers"):
+        sim = FleetSim(4, prof, mode, tiers=fleet_tiers(4, prof))
+        res = sim.run(trace)
+        assert len(res) == 200 and all(r.first_token is not None for r in res)
+        reuse[mode] = sum(r.cached for r in res) / sum(r.prompt for r in res)
+        cpu = sum(e.stats.loaded_cpu_tokens for e in sim.engines)
+        pool = sum(e.stats.loaded_remote_tokens for e in sim.engines)
+        if mode == "kvgate_precise":
+            assert sim.pool is None and cpu == pool == 0
+        elif mode == "round_robin_pool":
+            assert sim.l1 == {} and cpu == 0 and pool > 0
+        else:
+            assert cpu > 0
+    assert reuse["kvgate_tiers"] >= reuse["kvgate_precise"]
+    assert reuse["round_robin_pool"] > 0

@@ -34,3 +34,21 @@ def test_failed_peer_requests_say_why() -> None:
     bad = [Sample(0.0, 0, 0, 0, False, "503 {\"error\": {\"message\": \"no healthy worker\"}}")] * 2
     row = _row("kvgate cost_model", [ok, *bad, Sample(0.0, 0, 0, 0, False, "ReadTimeout('')")], 1.0)
     assert row.name == 'kvgate cost_model (3 failed; 2x: 503 {"error": {"message": "no healthy worker"}})'
+
+
+def test_tiered_floors_judge_kvgate_against_round_robin_and_the_pool_and_skip_reuse_when_it_fits() -> None:
+    def rows(host_reuse: float, p99: float) -> list[dict[str, object]]:
+        return [{"name": mooncake.LABELS["kvgate_precise"], "reuse": 0.5, "bound": 0.5},
+                {"name": mooncake.LABELS["kvgate_tiers"], "reuse": 0.6, "bound": 0.5, "ttft_mean": 90.0,
+                 "ttft_p99": p99},
+                {"name": mooncake.LABELS["round_robin_pool"], "reuse": 0.6, "bound": 0.5, "ttft_mean": 100.0,
+                 "ttft_p99": 500.0},
+                {"name": "global LRU of GPU + CPU: one cache", "reuse": host_reuse, "reuse_only": True}]
+
+    _, checked = mooncake.floors({"t": rows(0.7, 600.0)})
+    by = {f.label: f.ok for f in checked}
+    assert by["mean TTFT, kvgate with tiers / round robin + shared pool"] is True
+    assert by["p99 TTFT, kvgate with tiers / round robin + shared pool"] is False
+    assert by["kvgate with tiers reuse / global LRU of GPU capacity"] is True
+    _, checked = mooncake.floors({"t": rows(0.5, 400.0)})  # everything fits in the GPUs: reuse not judged
+    assert {f.label: f.ok for f in checked}["kvgate with tiers reuse / global LRU of GPU capacity"] is None

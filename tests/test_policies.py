@@ -90,3 +90,36 @@ def test_make_policy_validates_name() -> None:
         assert "unknown policy" in str(exc)
     else:
         raise AssertionError("expected ValueError")
+
+
+def test_dynamo_credits_price_each_tier_at_its_credit() -> None:
+    from kvgate.router.policies import DynamoCredits
+
+    p = DynamoCredits()
+    ws = (WorkerView(WorkerId("w0"), "m", True, 0, node="n0"), WorkerView(WorkerId("w1"), "m", True, 0, node="n1"))
+    # 1,024-token prompt in 16-token blocks (64 blocks); w0's node L1 holds 512 tokens, the pool 768.
+    r = RouteRequest("m", ConversationId("c"), prompt_tokens=1024, block_size=16, cpu_tokens={"n0": 512},
+                     remote_tokens=768)
+    # w0: 32 host blocks x 0.75 + 16 pool blocks x 0.5 = 32 credit; w1: 48 pool blocks x 0.5 = 24.
+    assert p.cost(r, ws[0]) == (64 - 32) + 64 and p.cost(r, ws[1]) == (64 - 24) + 64
+    d = p.pick(r, FleetView(ws))
+    assert d is not None and d.worker == "w0" and d.expected_cached_tokens == 768 and d.tier == "cpu"
+    # A GPU hit counts whole; load (pending prefill, decoding context) is added block for block.
+    busy = WorkerView(WorkerId("w0"), "m", True, 1, pending_prefill_tokens=1600, node="n0")
+    gpu = RouteRequest("m", ConversationId("c"), prompt_tokens=1024, block_size=16,
+                       matched_blocks={WorkerId("w0"): 63})
+    assert p.cost(gpu, busy) == 100 + 64 - 63 + 64
+    # 100 blocks queued outweigh 63 blocks of hit: an idle cold worker (128) beats it (165).
+    assert p.pick(gpu, FleetView((busy, ws[1]))).worker == "w1"  # type: ignore[union-attr]
+    assert make_policy("dynamo_credits").name == "dynamo_credits"
+
+
+def test_dynamo_credits_spread_cold_conversations_reproducibly() -> None:
+    from kvgate.router.policies import DynamoCredits
+
+    f = FleetView(tuple(WorkerView(WorkerId(f"w{i}"), "m", True, 0) for i in range(4)))
+    picks = [DynamoCredits().pick(RouteRequest("m", ConversationId(f"c{i}"), prompt_tokens=64), f)
+             for i in range(40)]
+    assert len({d.worker for d in picks if d}) == 4
+    again = [DynamoCredits().pick(RouteRequest("m", ConversationId(f"c{i}"), prompt_tokens=64), f) for i in range(40)]
+    assert [d.worker for d in picks if d] == [d.worker for d in again if d]

@@ -53,7 +53,7 @@ def test_remote_loads_are_not_kept_in_cpu_but_a_prefetch_is() -> None:
     run(other)
     assert b.external_tokens == 24 and other.stats.loaded_remote_tokens == 24
     assert len(other.tiers.cpu) == 0  # type: ignore[union-attr]
-    assert other.tiers.prefetch(keys) == 3 and all(k in other.tiers.cpu for k in keys)  # type: ignore[union-attr]
+    assert other.tiers.prefetch(keys) == 3 and all(k in other.tiers.cpu for k in keys)  # type: ignore[union-attr, operator]
 
 
 def test_cpu_tier_is_lru_bounded() -> None:
@@ -90,3 +90,37 @@ def test_a_paused_background_prefill_yields_its_memory_to_a_user() -> None:
     c.add_request(fg)
     run(c, 1.0)  # the user's 25 blocks do not fit beside it: the background request is preempted
     assert fg.generated == 2 and bg.generated == 1 and c.stats.preemptions >= 1
+
+
+def test_a_pool_only_engine_stores_through_to_the_pool_and_loads_from_it() -> None:
+    # vLLM + Mooncake store: no L1, every computed prompt chunk written to the shared pool.
+    pool = TierPool("pool", None)
+    tiers = EngineTiers(None, pool, chunk_tokens=8, kv_bytes_per_token=1000, cpu_gbps=1.0, remote_gbps=0.1,
+                        remote_rtt_ms=5.0)
+    c = EngineCore(PROFILE, VllmHasher(4, seed="0"), num_blocks=17, tiers=tiers)
+    c.add_request(SimRequest("a", list(range(30)), [1, 2]))
+    run(c)
+    assert len(pool) == 3
+    assert tiers.prefetch(tiers.chunk_keys(c.hasher.block_hashes(list(range(30))), 4)) == 0  # no L1 to warm
+    # Another engine of the fleet loads it: 24 tokens x 1000 B at 0.1 GB/s + one 5 ms round trip.
+    other = EngineCore(PROFILE, VllmHasher(4, seed="0"), num_blocks=17, tiers=tiers)
+    b = SimRequest("b", [*range(30), 7, 7], [1])
+    other.add_request(b)
+    plan = other.schedule()
+    assert b.external_tokens == 24 and other.stats.loaded_remote_tokens == 24 and other.stats.loaded_cpu_tokens == 0
+    assert abs(plan.duration_ms - (1.0 + 0.1 * 8 + 5.0 + 0.24)) < 1e-9
+
+
+def test_fleet_tiers_give_each_node_an_l1_and_the_round_robin_fleet_their_memory_in_its_pool() -> None:
+    from kvgate.bench.fleet import pool_only
+    from kvgate.sim.tiers import FleetTiers
+
+    t = FleetTiers(workers_per_node=2, cpu_tokens_per_node=1024, pool_tokens=2048, chunk_tokens=256)
+    cpu, pool = t.pools(4)
+    assert sorted(cpu) == ["node0", "node1"] and cpu["node0"].capacity == 4 and pool.capacity == 8
+    e0, e3 = t.engine_tiers(0, cpu, pool), t.engine_tiers(3, cpu, pool)
+    assert e0.cpu is cpu["node0"] and e3.cpu is cpu["node1"] and e0.remote is e3.remote is pool
+    rr = pool_only(t, 4)
+    assert rr.cpu_tokens_per_node == 0 and rr.pool_tokens == 2048 + 2 * 1024
+    cpu, pool = rr.pools(4)
+    assert cpu == {} and t.engine_tiers(1, cpu, pool).cpu is None

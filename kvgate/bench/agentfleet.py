@@ -10,6 +10,9 @@ controller). What each mode changes:
 - ``kvgate``: the router also sees tier residency and prices loads; the controller predicts tool waits
   online, reserves the KV of short ones on the home worker and releases long ones with a prefetch
   before the predicted resume.
+- ``rr_pool``: round robin over engines that share one pool (the remote tier) and have no L1 — the
+  vLLM + Mooncake store setup; ``dynamo_credits``: Dynamo's tier credits over kvgate's index and tier
+  estimate, no lifecycle (reference rows; the benchmark gives them a shared pool's rates).
 - ``+prefill`` (a flag on any mode): the controller's background prefill of the canonical branch when
   a turn ends, at the engine's lowest priority.
 """
@@ -25,7 +28,9 @@ from kvgate.sim.sessions import SessionFleet
 from kvgate.sim.sessiontypes import MODES, Prefix, Request, TierConfig, TurnResult
 from kvgate.sim.timing import TimingProfile
 
-__all__ = ["AgentFleet", "ScriptSource", "TierConfig", "TurnResult"]
+__all__ = ["AGENT_MODES", "AgentFleet", "ScriptSource", "TierConfig", "TurnResult"]
+
+AGENT_MODES = ("no_tiering", "lmcache", "kvgate", "rr_pool", "dynamo_credits")
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,8 +77,8 @@ class ScriptSource:
 
 class AgentFleet(SessionFleet):
     def __init__(self, profile: TimingProfile, n_workers: int, workers_per_node: int, mode: str, **kw: Any) -> None:
-        if mode not in ("no_tiering", "lmcache", "kvgate"):
-            raise ValueError(f"unknown mode {mode!r}; expected one of no_tiering, lmcache, kvgate")
+        if mode not in AGENT_MODES:
+            raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(AGENT_MODES)}")
         self.mode = mode
         super().__init__(profile, n_workers, workers_per_node, MODES[mode], **kw)
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from kvgate.bench.data import DATA_DIR, MOONCAKE_TRACE
 from kvgate.bench.dynamo import DynamoRun, ensure_dynamo, run_dynamo
-from kvgate.bench.fleet import FleetSim, Result
+from kvgate.bench.fleet import TIERED_MODES, FleetSim, Result, pool_only
 from kvgate.bench.goodput import P99At, goodput_search
 from kvgate.bench.report import Floor, Row, Spread, bar, cdf_plot, floor_verdict, pct, row_series, table
 from kvgate.bench.trace import (
@@ -36,12 +36,15 @@ from kvgate.bench.trace import (
 )
 from kvgate.bench.waits import breakdown
 from kvgate.bench.workloads import agentic, describe, swe
+from kvgate.sim.tiers import FleetTiers
 from kvgate.sim.timing import TimingProfile, get_profile
 
 DEFAULT_TRACE = MOONCAKE_TRACE
 SYNTHETIC_TRACE = DATA_DIR / "mooncake" / "synthetic_trace.jsonl.gz"
 LABELS = {"round_robin": "round_robin", "least_loaded": "least_loaded", "session_affinity": "session_affinity",
-          "kvgate_precise": "kvgate precise (events)", "kvgate_approx": "kvgate approximate (no events)"}
+          "kvgate_precise": "kvgate precise (events)", "kvgate_approx": "kvgate approximate (no events)",
+          "round_robin_pool": "tiered: round robin + shared pool", "dynamo_credits":
+          "tiered: Dynamo tier credits on kvgate's index", "kvgate_tiers": "tiered: kvgate with tiers"}
 DYNAMO = "Dynamo 1.6.1"
 WINDOWS = 3
 SEEDS = (8, 9)
@@ -58,14 +61,36 @@ class Workload:
     """A generated workload: its generator, replayed at more seeds for their spread."""
 
 
-def workloads(trace_path: Path, quick: bool) -> list[Workload]:
+QUICK_REQUESTS = 2500
+
+
+def fleet_tiers(n_workers: int, profile: TimingProfile) -> FleetTiers:
+    """The tiered fleet of the tiered rows: 2 workers a node, each node's L1 as large as its two GPUs' KV,
+    and a shared pool of one GPU's KV per worker (A: host DRAM ≥ HBM on GPU servers; the pool a part of
+    it). Round robin + shared pool gets the L1s' memory added to its pool (``fleet.pool_only``)."""
+    gpu = profile.num_blocks * profile.block_size
+    return FleetTiers(cpu_tokens_per_node=2 * gpu, pool_tokens=n_workers * gpu)
+
+
+def workloads(trace_path: Path, quick: bool, every: bool = False) -> list[Workload]:
+    """The four workloads; ``quick``: the first 2,500 requests of the conversation trace's second half, or
+    with ``every`` of each of the four (a smoke run)."""
     def second_half() -> list[TraceRequest]:
-        held_out = time_slice(load_mooncake(trace_path), 0.5, 1.0)
-        return held_out[:2500] if quick else held_out
+        return time_slice(load_mooncake(trace_path), 0.5, 1.0)
 
     name = trace_path.name.removesuffix(".gz").removesuffix(".jsonl")
+    if quick and not every:
+        return [Workload(f"{name}, second half (first {QUICK_REQUESTS} requests)",
+                         lambda: second_half()[:QUICK_REQUESTS])]
     if quick:
-        return [Workload(f"{name}, second half (first 2500 requests)", second_half)]
+        def first(load: Callable[[], list[TraceRequest]]) -> Callable[[], list[TraceRequest]]:
+            return lambda: sorted(load(), key=lambda r: (r.arrival_s, r.id))[:QUICK_REQUESTS]
+
+        tail = f" (first {QUICK_REQUESTS} requests)"
+        return [Workload(f"{name}, second half{tail}", first(second_half)),
+                Workload(f"Mooncake synthetic trace{tail}", first(lambda: load_mooncake(SYNTHETIC_TRACE))),
+                Workload(f"agentic sessions (generated, seed 7){tail}", first(lambda: agentic(7))),
+                Workload(f"SWE-agent sessions (generated, seed 7){tail}", first(lambda: swe(7)))]
     return [Workload(f"{name}, second half", second_half, unbounded=True),
             Workload("Mooncake synthetic trace", lambda: load_mooncake(SYNTHETIC_TRACE)),
             Workload("agentic sessions (generated, seed 7)", lambda: agentic(7), seeded=agentic),
@@ -107,9 +132,9 @@ def dynamo_row(d: DynamoRun) -> Row:
                mean_spread=ms, p99_spread=ps)
 
 
-def simulate(trace: Sequence[TraceRequest], n: int, profile: TimingProfile, mode: str, engine: str = "vllm"
-             ) -> Row:
-    sim = FleetSim(n, profile, mode, trace_waits=True, engine=engine)
+def simulate(trace: Sequence[TraceRequest], n: int, profile: TimingProfile, mode: str, engine: str = "vllm",
+             tiers: FleetTiers | None = None) -> Row:
+    sim = FleetSim(n, profile, mode, trace_waits=True, engine=engine, tiers=tiers)
     res = sim.run(trace)
     row = row_of(LABELS[mode] + (", SGLang workers" if engine == "sglang" else ""), sim, res)
     row.extra = breakdown([r.wait for r in res if r.wait is not None])
@@ -143,6 +168,8 @@ class Bench:
     dynamo: bool
     profile: TimingProfile
     progress: Any = None
+    tiered_only: bool = False
+    """Only kvgate precise and the tiered fleet's rows (no Dynamo, goodput, seeds or peers)."""
 
     def tick(self, what: str) -> None:
         if self.progress is not None:
@@ -179,11 +206,14 @@ class Bench:
         trace = speed_up(base, speed) if speed != 1.0 else base
         modes = (["round_robin", "least_loaded", "session_affinity", "kvgate_precise", "kvgate_approx"] if n == 8
                  else ["round_robin", "session_affinity", "kvgate_precise"])
+        if self.tiered_only:
+            modes = ["kvgate_precise"]
+        tiers = fleet_tiers(n, self.profile)
         rows = []
-        for mode in modes:
-            rows.append(simulate(trace, n, self.profile, mode))
+        for mode in [*modes, *TIERED_MODES]:
+            rows.append(simulate(trace, n, self.profile, mode, tiers=tiers))
             self.tick(f"{wl.name[:20]} {n}w {mode}")
-        if n == 8:
+        if n == 8 and not self.tiered_only:
             # The same fleet of simulated SGLang engines (page-granular radix cache, SGLang's events),
             # routed precisely with SGLang's page identities.
             rows.append(simulate(trace, n, self.profile, "kvgate_precise", engine="sglang"))
@@ -192,6 +222,9 @@ class Bench:
         capacity = n * self.profile.num_blocks * self.profile.block_size
         bound = global_lru_reuse(trace, capacity)
         rows.append(Row(f"global LRU: one cache of {capacity / 2**20:.0f}M tokens", bound, reuse_only=True))
+        host = tier_capacity(tiers, n)
+        rows.append(Row(f"global LRU of GPU + CPU: one cache of {(capacity + host) / 2**20:.0f}M tokens",
+                        global_lru_reuse(trace, capacity + host), reuse_only=True))
         for r in rows:
             r.bound = bound
         return rows
@@ -233,6 +266,14 @@ class Bench:
         return rows
 
 
+def tier_capacity(t: FleetTiers, n_workers: int) -> int:
+    """The tiered fleet's host memory for KV in tokens: the nodes' L1s and the pool (the L1s' chunks are
+    also in the pool, so this is more than the fleet holds at once: a generous reference)."""
+    p = pool_only(t, n_workers).pool_tokens
+    assert p is not None, "the benchmark's pool is bounded"
+    return p
+
+
 def _seed_line(seed: str, ratio: float, km: float | None, dm: float | None, kp: float | None,
                dp: float | None) -> str:
     def pair(a: float | None, b: float | None) -> str:
@@ -246,8 +287,12 @@ def _slug(s: str) -> str:
 
 
 def run(trace_path: Path = DEFAULT_TRACE, out_dir: Path = Path("bench-out"), quick: bool = False,
-        dynamo: bool = True, peers: bool = True) -> int:
-    """Prints the report and writes it to ``out_dir``; returns the exit code (1: a floor failed)."""
+        dynamo: bool = True, peers: bool = True, tiered_only: bool = False) -> int:
+    """Prints the report and writes it to ``out_dir``; returns the exit code (1: a floor failed).
+    ``tiered_only``: kvgate precise and the tiered fleet's rows on all four workloads, nothing else
+    (``python -m kvgate.bench.mooncake --tiered [--quick]``)."""
+    if tiered_only:
+        dynamo = peers = False
     out_dir.mkdir(parents=True, exist_ok=True)
     profile = get_profile("dynamo-mocker")
     if dynamo:
@@ -256,12 +301,14 @@ def run(trace_path: Path = DEFAULT_TRACE, out_dir: Path = Path("bench-out"), qui
         except Exception as exc:
             print(f"Dynamo's replay is not available, its rows are left out: {exc}", flush=True)
             dynamo = False
-    wls = workloads(trace_path, quick)
+    wls = workloads(trace_path, quick, every=tiered_only)
     configs = [("8 workers × 1M tokens, 1× arrivals", 8, 1.0), ("4 workers × 1M tokens, 3× arrivals", 4, 3.0)]
-    runs_per_wl = (5 + 3) + (4 if dynamo else 0)
-    planned = (len(wls) * runs_per_wl + 3 * sum(w.unbounded for w in wls)
-               + (0 if quick else len(wls) * 15 + 2 * len(SEEDS)))
-    b = Bench(out_dir, quick, dynamo, profile)
+    runs_per_wl = (1 + 1 + 2 * len(TIERED_MODES)) if tiered_only else (
+        (5 + 3) + 2 * len(TIERED_MODES) + 1 + (4 if dynamo else 0))
+    extras = not (quick or tiered_only)
+    planned = (len(wls) * runs_per_wl + (3 * sum(w.unbounded for w in wls) if extras else 0)
+               + (len(wls) * 15 + 2 * len(SEEDS) if extras else 0))
+    b = Bench(out_dir, quick, dynamo, profile, tiered_only=tiered_only)
     text = ["# kvgate bench mooncake", "",
             f"Engine model: Dynamo mocker (block {profile.block_size}, {profile.num_blocks} blocks = "
             f"{profile.num_blocks * profile.block_size:,} tokens per worker, "
@@ -286,22 +333,23 @@ def run(trace_path: Path = DEFAULT_TRACE, out_dir: Path = Path("bench-out"), qui
                 text.append(waits_table(full, rows, mean_input, profile))
                 panels.append((full, row_series(rows)))
                 results[full] = [_public(r) for r in rows]
-            if wl.unbounded:
+            if wl.unbounded and not tiered_only:
                 rows = b.unbounded(base)
                 full = f"{wl.name} — 8 workers, unbounded KV"
                 text.append(table(full, rows))
                 results[full] = [_public(r) for r in rows]
-            if wl.seeded is not None and not quick:
+            if wl.seeded is not None and extras:
                 text.append(b.seeds(wl, results))
-            if not quick:
+            if extras:
                 text.append(goodput_search(wl.name, base, profile, b.dynamo_p99 if dynamo else None, b.tick))
     floor_text, checked = floors(results)
     text.append(floor_text)
     if peers:
         text.append(peer_section(trace_path, out_dir, quick, results))
-    from kvgate.bench.routing import report as routing_report
+    if not tiered_only:
+        from kvgate.bench.routing import report as routing_report
 
-    text.append(routing_report(out_dir / "routing_cost_cdf.png"))
+        text.append(routing_report(out_dir / "routing_cost_cdf.png"))
     png = out_dir / "mooncake_ttft_cdf.png"
     cdf_plot(png, panels)
     text.append(f"Plot: {png}. Simulated in {time.perf_counter() - t_start:.0f} s.")
@@ -354,12 +402,30 @@ def floors(results: dict[str, object]) -> tuple[str, list[Floor]]:
                 k["ttft_mean"] / d["ttft_mean"] <= 0.9)
             add(title, "p99 TTFT, kvgate precise / Dynamo kv_router", k["ttft_p99"] / d["ttft_p99"], "≤ 1.0",
                 k["ttft_p99"] / d["ttft_p99"] <= 1.0)
+        tiered_floors(title, rows, add)
         rr, drr = _get(rows, "round_robin"), _get(rows, f"{DYNAMO} round_robin")
         if rr and drr and drr.get("ttft_mean"):
             ratio = rr["ttft_mean"] / drr["ttft_mean"]
             add(title, "simulator check: round_robin mean TTFT, kvgate sim / Dynamo", ratio, "0.95–1.05",
                 0.95 <= ratio <= 1.05)
     return "\n".join(lines) + "\n", checked
+
+
+def tiered_floors(title: str, rows: object, add: Callable[[str, str, float | None, str, bool | None], None]) -> None:
+    """Issue 23's targets on the tiered fleet: kvgate with tiers ahead of round robin + shared pool on mean
+    and p99 TTFT, and reusing more than one LRU cache of the fleet's GPU capacity could."""
+    k, rr = _get(rows, LABELS["kvgate_tiers"]), _get(rows, LABELS["round_robin_pool"])
+    if k is None or rr is None:
+        return
+    for col, what in (("ttft_mean", "mean"), ("ttft_p99", "p99")):
+        v = k[col] / rr[col]
+        add(title, f"{what} TTFT, kvgate with tiers / round robin + shared pool", v, "< 1.0", v < 1.0)
+    host = _get(rows, "global LRU of GPU + CPU")
+    if k.get("bound"):
+        v = k["reuse"] / k["bound"]
+        # Not judged where the workload fits in the GPUs (the GPU + CPU bound is no higher): no tier can add reuse.
+        room = host is not None and host["reuse"] > k["bound"] + 1e-9
+        add(title, "kvgate with tiers reuse / global LRU of GPU capacity", v, "> 1.0", v > 1.0 if room else None)
 
 
 def peer_section(trace_path: Path, out_dir: Path, quick: bool, results: dict[str, object]) -> str:
@@ -376,3 +442,14 @@ def peer_section(trace_path: Path, out_dir: Path, quick: bool, results: dict[str
         return f"### {title}\n\nfailed: {exc}\n"
     results[title] = [_public(r) for r in rows]
     return table(title, rows)
+
+
+if __name__ == "__main__":  # python -m kvgate.bench.mooncake --tiered [--quick] [--out DIR]
+    import argparse
+
+    ap = argparse.ArgumentParser(description="kvgate bench mooncake, the tiered fleet's rows only")
+    ap.add_argument("--tiered", action="store_true", required=True)
+    ap.add_argument("--quick", action="store_true", help=f"the first {QUICK_REQUESTS} requests of each workload")
+    ap.add_argument("--out", default="bench-out")
+    a = ap.parse_args()
+    raise SystemExit(run(DEFAULT_TRACE, Path(a.out), a.quick, tiered_only=True))

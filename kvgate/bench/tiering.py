@@ -1,6 +1,9 @@
 """``kvgate bench tiering``: agent sessions with heavy-tailed tool waits on a simulated fleet whose GPU KV
 overflows — no tiering / LMCache tiers without kvgate's lifecycle / kvgate full, each with and without
-background prefill — with the floors of the tiering issue checked.
+background prefill — with the floors of the tiering issue checked; then the rows a tiered fleet must
+beat, on a shared pool's rates (``sim.tiers.MOONCAKE_POOL_GBPS``) in place of Redis: round robin + shared
+pool, Dynamo's tier credits on kvgate's index, kvgate full, and the global-LRU references of the fleet's
+GPU and GPU + CPU capacity.
 """
 
 from __future__ import annotations
@@ -15,7 +18,10 @@ from pathlib import Path
 from kvgate.bench.agentfleet import AgentFleet, TierConfig, TurnResult
 from kvgate.bench.agents import AgentParams, generate
 from kvgate.bench.report import Floor, cdf_plot, floor_verdict
+from kvgate.bench.trace import global_lru_reuse
+from kvgate.bench.workloads import agentic_sessions, to_trace
 from kvgate.session.prefill import ContinueStats
+from kvgate.sim.tiers import MOONCAKE_POOL_GBPS, MOONCAKE_POOL_RTT_MS
 from kvgate.sim.timing import TimingProfile, get_profile
 
 
@@ -50,6 +56,11 @@ class RowStats:
     requests: int
     sim_s: float
     resumed_ttfts: list[float]
+    reuse: float = 0.0
+    """Prompt tokens not computed (GPU hit or tier load) over all prompt tokens."""
+    mean_ms: float = 0.0
+    """TTFT over every request (first, tool and user turns)."""
+    p99_ms: float = 0.0
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -66,7 +77,8 @@ def stats(name: str, fleet: AgentFleet, res: list[TurnResult], sim_s: float) -> 
     heavy = [r.ttft_ms for r in done if r.kind == "user" and r.heavy]
     tool = [r for r in done if r.kind == "tool"]
     ps = fleet.prefill_stats
-    return RowStats(
+    every = [r.ttft_ms for r in done]
+    row = RowStats(
         name, _pct(resumed, 0.5), _pct(resumed, 0.99), _pct(user, 0.5), _pct(user, 0.99), _pct(heavy, 0.5),
         _pct(heavy, 0.99), sum(r.recomputed for r in done) / 1e6,
         sum(e.stats.computed_prefill_tokens for e in fleet.engines) / 1e6,
@@ -76,6 +88,10 @@ def stats(name: str, fleet: AgentFleet, res: list[TurnResult], sim_s: float) -> 
         sum(fleet.reserved_samples) / max(1, len(fleet.reserved_samples)),
         ps.issued, ps.used, ps.wasted, ps.skipped, fleet.bg_computed / 1e6,
         sum(e.stats.preemptions for e in fleet.engines), len(done), sim_s, resumed)
+    row.reuse = sum(max(0, r.reuse) for r in done) / max(1, sum(r.prompt for r in done))
+    row.mean_ms = sum(every) / max(1, len(every))
+    row.p99_ms = _pct(every, 0.99)
+    return row
 
 
 ROWS: tuple[tuple[str, str, bool], ...] = (
@@ -85,6 +101,33 @@ ROWS: tuple[tuple[str, str, bool], ...] = (
     ("no tiering + background prefill", "no_tiering", True),
     ("kvgate full + background prefill", "kvgate", True),
 )
+
+
+POOL_ROWS: tuple[tuple[str, str, bool], ...] = (
+    ("round robin + shared pool", "rr_pool", False),
+    ("Dynamo tier credits on kvgate's index, L1 + shared pool", "dynamo_credits", False),
+    ("kvgate full, L1 + shared pool", "kvgate", False),
+)
+"""The rows a tiered fleet must beat, all on one shared pool's rates in place of Redis (issue 23)."""
+
+
+def pool_tiers(tiers: TierConfig | None) -> TierConfig:
+    """The fleet's tiers with the remote one a shared pool (Mooncake store's rates, ``sim/tiers.py``)."""
+    return replace(tiers or TierConfig(), remote_gbps=MOONCAKE_POOL_GBPS, remote_rtt_ms=MOONCAKE_POOL_RTT_MS)
+
+
+def bounds(params: AgentParams, n_workers: int, per_node: int, tiers: TierConfig | None,
+           profile: TimingProfile) -> list[tuple[str, float]]:
+    """Reuse of one LRU cache of the fleet's GPU capacity, and of GPU + the nodes' CPU tiers, over the
+    same sessions as an open-loop trace (``workloads.to_trace``: each call at its predecessor's arrival +
+    a nominal service time + the scripted wait), the references of ``bench mooncake``."""
+    tc = tiers or TierConfig()
+    trace = to_trace(agentic_sessions(params))
+    gpu = n_workers * profile.num_blocks * profile.block_size
+    host = -(-n_workers // per_node) * tc.cpu_tokens_per_node
+    return [(f"global LRU of GPU capacity ({gpu / 1e6:.1f}M tokens)", global_lru_reuse(trace, gpu)),
+            (f"global LRU of GPU + CPU capacity ({(gpu + host) / 1e6:.1f}M tokens)",
+             global_lru_reuse(trace, gpu + host))]
 
 
 def warm_continuation(params: AgentParams, n_workers: int, per_node: int, tiers: TierConfig | None,
@@ -98,7 +141,11 @@ def warm_continuation(params: AgentParams, n_workers: int, per_node: int, tiers:
 
 
 def run_rows(params: AgentParams, n_workers: int = 4, per_node: int = 2, tiers: TierConfig | None = None,
-             rows: tuple[tuple[str, str, bool], ...] = ROWS, profile: TimingProfile | None = None) -> list[RowStats]:
+             rows: tuple[tuple[str, str, bool], ...] = ROWS, profile: TimingProfile | None = None,
+             pool: bool = False) -> list[RowStats]:
+    """``pool``: the fleet's remote tier is a shared pool (``pool_tiers``) for every row."""
+    if pool:
+        tiers = pool_tiers(tiers)
     profile = profile or bench_profile()
     scripts = generate(params)
     learned = warm_continuation(params, n_workers, per_node, tiers, profile) if any(p for *_, p in rows) else None
@@ -126,6 +173,45 @@ def table(rows: list[RowStats]) -> str:
             f"{r.reserved_per_parked:.0f} | {r.preemptions} | {r.prefills_issued} / {r.prefills_used} / "
             f"{r.prefills_wasted} / "
             f"{r.prefills_skipped} |")
+    return "\n".join(lines) + "\n"
+
+
+def pool_table(rows: list[RowStats], refs: list[tuple[str, float]]) -> str:
+    lines = ["| row | token reuse | reuse / GPU bound | TTFT mean, every request (ms) | p99 | resumed p50 | p99 | "
+             "user turn p50 | p99 | recomputed (M tok) | loaded CPU / pool (M tok) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    gpu = refs[0][1] if refs else float("nan")
+    for r in rows:
+        lines.append(f"| {r.name} | {r.reuse:.4f} | {r.reuse / gpu:.3f} | {r.mean_ms:.0f} | {r.p99_ms:.0f} | "
+                     f"{r.resumed_p50:.0f} | {r.resumed_p99:.0f} | {r.user_p50:.0f} | {r.user_p99:.0f} | "
+                     f"{r.recomputed_mtok:.2f} | {r.loaded_cpu_mtok:.2f} / {r.loaded_remote_mtok:.2f} |")
+    lines += [f"| {name} (reuse only) | {v:.4f} | {v / gpu:.3f} | – | – | – | – | – | – | – | – |" for name, v in refs]
+    return "\n".join(lines) + "\n"
+
+
+def pool_floors(rows: list[RowStats], refs: list[tuple[str, float]]) -> list[tuple[str, float, str, bool]]:
+    """Issue 23's targets: kvgate ahead of round robin + shared pool on mean and p99 TTFT, and reusing more
+    than one LRU cache of the fleet's GPU capacity could."""
+    by = {r.name: r for r in rows}
+    k, rr = by[POOL_ROWS[2][0]], by[POOL_ROWS[0][0]]
+    out = [("mean TTFT, kvgate full / round robin + shared pool", k.mean_ms / rr.mean_ms, "< 1.0"),
+           ("p99 TTFT, kvgate full / round robin + shared pool", k.p99_ms / rr.p99_ms, "< 1.0"),
+           ("resumed p99 TTFT, kvgate full / round robin + shared pool", k.resumed_p99 / rr.resumed_p99, "< 1.0")]
+    if refs:
+        out.append(("reuse, kvgate full / global LRU of GPU capacity", k.reuse / refs[0][1], "> 1.0"))
+    return [(n, v, t, v < 1.0 if t.startswith("<") else v > 1.0) for n, v, t in out]
+
+
+def held_out(seeds: tuple[int, ...], quick: bool = False) -> str:
+    """The first floor (resumed p99, kvgate full / no tiering) on seeds other than the benchmark's."""
+    lines = ["| seed | resumed p99 no tiering (ms) | kvgate full | ratio | target ≤ 0.5 |", "|---|---|---|---|---|"]
+    base = AgentParams(sessions=80, start_window_s=200.0) if quick else AgentParams()
+    profile = bench_profile(2_500 if quick else 7_500)
+    for seed in seeds:
+        rows = run_rows(replace(base, seed=seed), profile=profile, rows=ROWS[:1] + ROWS[2:3])
+        v = rows[1].resumed_p99 / rows[0].resumed_p99
+        lines.append(f"| {seed} | {rows[0].resumed_p99:.0f} | {rows[1].resumed_p99:.0f} | {v:.3f} | "
+                     f"{'yes' if v <= 0.5 else 'NO'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -159,6 +245,16 @@ def run(out_dir: Path, quick: bool = False, real: bool = True) -> int:
     # --quick: a third of the sessions is too few to judge a p99 by; its floors are shown, not judged.
     fl = [(n, v, t, None if quick else ok) for n, v, t, ok in floors(rows)]
     text += [f"| {n} | {v:.3f} | {t} | {'–' if ok is None else 'yes' if ok else 'NO'} |" for n, v, t, ok in fl]
+    t1 = time.perf_counter()
+    pool_rows = run_rows(params, profile=profile, rows=POOL_ROWS, pool=True)
+    refs = bounds(params, 4, 2, None, profile)
+    text += ["", f"## The rows a tiered fleet must beat: the remote tier a shared pool ({MOONCAKE_POOL_GBPS:.0f} GB/s, "
+             f"{MOONCAKE_POOL_RTT_MS} ms a load, unbounded; round robin's engines have no L1)", "",
+             pool_table(pool_rows, refs), "| floor | measured | target | ok |", "|---|---|---|---|"]
+    pfl = [(n, v, t, None if quick else ok) for n, v, t, ok in pool_floors(pool_rows, refs)]
+    text += [f"| {n} | {v:.3f} | {t} | {'–' if ok is None else 'yes' if ok else 'NO'} |" for n, v, t, ok in pfl]
+    text.append(f"\n(pool rows simulated in {time.perf_counter() - t1:.0f} s)")
+    fl += pfl
     text.append(f"\nsimulated in {time.perf_counter() - t0:.0f} s; CDF plot: {out_dir / 'tiering-resumed.png'}")
     cdf_plot(out_dir / "tiering-resumed.png", [("", [(f"{r.name} (p99 {r.resumed_p99:.0f} ms)", r.resumed_ttfts)
                                                       for r in rows])], "TTFT of resumed turns (ms, log)")
@@ -177,5 +273,5 @@ def run(out_dir: Path, quick: bool = False, real: bool = True) -> int:
     print(report)
     (out_dir / "tiering.md").write_text(report + "\n")
     (out_dir / "tiering.json").write_text(json.dumps([{k: v for k, v in asdict(r).items() if k != "resumed_ttfts"}
-                                                      for r in rows], indent=1))
+                                                      for r in rows + pool_rows], indent=1))
     return code

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from kvgate.router.cost import CostModel, CostParams
 from kvgate.router.hashing import BlockHash, VllmHasher, event_int
 from kvgate.router.index import PrefixIndex
+from kvgate.router.policies import Policy, make_policy
 from kvgate.router.residency import Residency
 from kvgate.router.types import ConversationId, FleetView, RouteRequest, WorkerId
 from kvgate.sequences import common_prefix
@@ -113,8 +114,8 @@ class SessionFleet:
         self.remote = TierPool("remote", None if tc.remote_tokens is None else tc.remote_tokens // tc.chunk_tokens)
         self.engines = [
             EngineCore(profile, self.hasher, tiers=None if not setup.tiers else EngineTiers(
-                self.cpu[self.nodes[i]], self.remote, tc.chunk_tokens, tc.kv_bytes_per_token, tc.cpu_gbps,
-                tc.remote_gbps, tc.remote_rtt_ms))
+                self.cpu[self.nodes[i]] if setup.l1 else None, self.remote, tc.chunk_tokens, tc.kv_bytes_per_token,
+                tc.cpu_gbps, tc.remote_gbps, tc.remote_rtt_ms))
             for i in range(n_workers)]
         self.index = PrefixIndex()
         self.max_model_len = (profile.num_blocks - 1) * profile.block_size
@@ -122,6 +123,9 @@ class SessionFleet:
             kv_bytes_per_token=tc.kv_bytes_per_token, cpu_load_gbps=tc.cpu_gbps, remote_load_gbps=tc.remote_gbps,
             remote_rtt_ms=tc.remote_rtt_ms)
         self.policy = CostModel(params)
+        """The cost model: the controller prices prefills with it, and it routes unless ``setup.policy``
+        names a reference policy."""
+        self.router: Policy = self.policy if setup.policy == "cost_model" else make_policy(setup.policy)
         pp = (prefill_params or PrefillParams()).model_copy(update={"enabled": prefill})
         self.controller = SessionController(ControllerParams(pp, plan_waits=setup.plan_waits))
         self.learned = Learned(waits, pp)
@@ -186,7 +190,7 @@ class SessionFleet:
         req = RouteRequest("m", ConversationId(s.src.id), self.ids[s.home] if s.home is not None else None,
                            prompt_tokens=prompt, matched_blocks=matched, block_size=self.profile.block_size,
                            cpu_tokens=cpu, remote_tokens=remote)
-        d = self.policy.pick(req, self._views())
+        d = self.router.pick(req, self._views())
         assert d is not None
         return self.ids.index(d.worker), d.expected_cached_tokens
 

@@ -76,12 +76,20 @@ class Setup:
     tiers: bool = False
     tier_routing: bool = False
     plan_waits: bool = False
+    policy: str = "cost_model"
+    """The router's policy (``router.policies``); the reference rows use round robin or Dynamo's credits."""
+    l1: bool = True
+    """Engines have their node's CPU tier; without it, only the shared remote tier (a shared pool)."""
 
 
 MODES = {"no_tiering": Setup(), "lmcache": Setup(tiers=True), "kvgate": Setup(True, True, True),
-         "gateway": Setup(plan_waits=True)}
+         "gateway": Setup(plan_waits=True),
+         "rr_pool": Setup(tiers=True, policy="round_robin", l1=False),
+         "dynamo_credits": Setup(tiers=True, tier_routing=True, policy="dynamo_credits")}
 """The agent benchmark's modes, and ``gateway``: a kvgate without LMCache tiers (it still plans waits and
-reserves the KV of short ones)."""
+reserves the KV of short ones). ``rr_pool``: round robin over engines that share one pool and have no L1
+(vLLM + Mooncake store); ``dynamo_credits``: Dynamo's tier credits over kvgate's index and tier estimate,
+without kvgate's lifecycle."""
 
 
 @dataclass(frozen=True, slots=True)
