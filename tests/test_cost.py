@@ -148,18 +148,6 @@ def test_remote_tier_serves_any_worker_instead_of_recompute() -> None:
     assert d is not None and d.tier == "remote" and d.reason == "longest_prefix"
 
 
-def test_a_tier_load_is_charged_to_every_request_whose_step_waits_for_it() -> None:
-    m = CostModel(T)
-    busy = w(0, decode_requests=3, pending_requests=1)
-    # 3,840 tokens from the remote tier: 2 + 384 ms, waited for by the 4 requests already there.
-    assert m.load_stall_ms(tier_req(4000, remote=3840), busy) == pytest.approx(4 * 386)
-    assert m.load_stall_ms(tier_req(4000, remote=3840), w(1)) == 0  # nobody there to wait
-    assert m.load_stall_ms(tier_req(4000), busy) == 0  # nothing loaded: recompute is priced as prefill
-    # An idle worker loads it; the busy one would stall its batch for 386 ms x 4.
-    d = m.pick(tier_req(4000, remote=3840), FleetView((busy, w(1))))
-    assert d is not None and d.worker == "w1"
-
-
 def test_reserved_kv_steers_newcomers_elsewhere() -> None:
     parked = w(0, reserved_tokens=60_000, kv_capacity_tokens=100_000)
     free = w(1, kv_capacity_tokens=100_000)

@@ -209,13 +209,6 @@ class CostModel:
 
         return w.pending_requests * (pre(ahead_in_pass + shared) - pre(ahead_in_pass))
 
-    def load_stall_ms(self, request: RouteRequest, w: WorkerView) -> float:
-        """A tier load is waited for by the step that admits the request, so every request decoding or
-        prefilling there waits with it: the load's time, once for each of them."""
-        if w.decode_requests + w.pending_requests <= 0:
-            return 0.0
-        return (w.decode_requests + w.pending_requests) * self.load_ms(self.reuse(request, w))
-
     def decode_step_ms(self, w: WorkerView) -> float:
         """The decode part of every pass while this worker's batch keeps decoding."""
         p = self.params
@@ -231,8 +224,7 @@ class CostModel:
         cap = (1 + self.params.load_epsilon) * mean + 1
         eligible = [w for w in workers if w.in_flight < cap] or workers
         waiting = sum(w.pending_requests for w in workers) / len(workers)
-        others = {w.id: self.delay_to_others_ms(request, w) + self.load_stall_ms(request, w) for w in eligible}
-        scores = {w.id: self.ttft_ms(request, w) + self.params.externality_weight * others[w.id]
+        scores = {w.id: self.ttft_ms(request, w) + self.params.externality_weight * self.delay_to_others_ms(request, w)
                   + self.reservation_ms(request, w) + self.backlog_ms(request, w, waiting) + self.slot_wait_ms(w)
                   for w in eligible}
         home = request.home_worker
