@@ -1,6 +1,7 @@
-"""Agent frameworks that speak Chat Completions, run unchanged through kvgate in front of simulated
-workers: the OpenAI Agents SDK with ``OpenAIChatCompletionsModel`` and LangGraph's ReAct agent over
-``langchain-openai``'s ``ChatOpenAI``.
+"""Agent frameworks run unchanged through kvgate in front of simulated workers: the OpenAI Agents SDK
+with ``OpenAIChatCompletionsModel`` (the chat door) and with its default model (``OpenAIResponsesModel``,
+the Responses door), and LangGraph's ReAct agent over ``langchain-openai``'s ``ChatOpenAI``, on Chat
+Completions and with ``use_responses_api=True``.
 
 Neither sends a session key, so kvgate names the conversation itself (the derived key). The simulator's
 default script drives the loop (docs/simulator.md): one call of the first tool after a user message, a
@@ -38,7 +39,7 @@ class Seen:
     headers: list[httpx2.Headers] = field(default_factory=list)
 
     async def __call__(self, response: httpx2.Response) -> None:
-        if response.request.url.path.endswith("/chat/completions"):
+        if response.request.url.path.endswith(("/chat/completions", "/responses")):
             self.headers.append(response.headers)
 
     def client(self) -> httpx2.AsyncClient:
@@ -111,13 +112,14 @@ agents = pytest.importorskip("agents")
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["run", "run_streamed"])
-async def test_agents_sdk_chat_completions_model_tool_loop(make_cluster: Any, stream: bool) -> None:
-    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, RunConfig, Runner, function_tool
+@pytest.mark.parametrize("api", ["chat", "responses"])
+async def test_agents_sdk_tool_loop(make_cluster: Any, api: str, stream: bool) -> None:
+    import agents as sdk
 
     c = await precise(make_cluster)
     calls: list[str] = []
 
-    @function_tool
+    @sdk.function_tool
     def search(query: str) -> str:
         """Search the code base."""
         calls.append(query)
@@ -125,28 +127,28 @@ async def test_agents_sdk_chat_completions_model_tool_loop(make_cluster: Any, st
 
     seen = Seen()
     oc = openai.AsyncOpenAI(base_url=c.url + "/v1", api_key="unused", max_retries=0, http_client=seen.client())
-    agent = Agent(name="fixer", instructions=SYSTEM, tools=[search],
-                  model=OpenAIChatCompletionsModel(MODEL, oc),
-                  # usage in the stream: the SDK asks for it only when told to
-                  model_settings=ModelSettings(max_tokens=256, include_usage=stream or None))
-    cfg = RunConfig(tracing_disabled=True)
+    model = sdk.OpenAIChatCompletionsModel(MODEL, oc) if api == "chat" else sdk.OpenAIResponsesModel(MODEL, oc)
+    agent = sdk.Agent(name="fixer", instructions=SYSTEM, tools=[search], model=model,
+                      # usage in the stream: the SDK asks for it only when told to
+                      model_settings=sdk.ModelSettings(max_tokens=256, include_usage=stream or None))
+    cfg = sdk.RunConfig(tracing_disabled=True)
     items: list[Any] = []
     client_cached: list[int] = []
     for task in TASKS:
         items.append({"role": "user", "content": task})
         if stream:
-            res: Any = Runner.run_streamed(agent, items, run_config=cfg)
+            res: Any = sdk.Runner.run_streamed(agent, items, run_config=cfg)
             async for _ in res.stream_events():
                 pass
         else:
-            res = await Runner.run(agent, items, run_config=cfg)
+            res = await sdk.Runner.run(agent, items, run_config=cfg)
         assert res.final_output
         client_cached += [r.usage.input_tokens_details.cached_tokens for r in res.raw_responses]
         items = res.to_input_list()
     assert len(calls) == len(TASKS)
     check_agent(await record_of(c, seen), seen, client_cached, [False, True] * len(TASKS))
-    # The SDK replays the engine's reasoning on the assistant message itself (its chat converter keeps
-    # the `reasoning` field): kvgate has nothing to restore.
+    # The SDK replays the engine's reasoning itself (its chat converter keeps the `reasoning` field; its
+    # Responses items keep reasoning_text content): kvgate has nothing to restore.
     assert [restored(h) for h in seen.headers] == [0] * len(seen.headers)
     await oc.close()
 
@@ -156,7 +158,8 @@ async def test_agents_sdk_chat_completions_model_tool_loop(make_cluster: Any, st
 # favour of langchain.agents.create_agent (another package), and warns.
 @pytest.mark.filterwarnings("ignore:create_react_agent has been moved")
 @pytest.mark.parametrize("streaming", [False, True], ids=["invoke", "streaming"])
-async def test_langgraph_react_agent_tool_loop(make_cluster: Any, streaming: bool) -> None:
+@pytest.mark.parametrize("api", ["chat", "responses"])
+async def test_langgraph_react_agent_tool_loop(make_cluster: Any, api: str, streaming: bool) -> None:
     pytest.importorskip("langgraph")
     from langchain_core.messages import AIMessage, HumanMessage
     from langchain_core.tools import tool
@@ -175,7 +178,8 @@ async def test_langgraph_react_agent_tool_loop(make_cluster: Any, streaming: boo
     seen = Seen()
     http = seen.client()
     llm = ChatOpenAI(model=MODEL, base_url=c.url + "/v1", api_key="unused", max_retries=0,
-                     http_async_client=http, streaming=streaming, stream_usage=True)
+                     http_async_client=http, streaming=streaming, stream_usage=True,
+                     use_responses_api=api == "responses")
     agent = create_react_agent(llm, [search], prompt=SYSTEM)
     messages: list[Any] = []
     for task in TASKS:
@@ -189,7 +193,11 @@ async def test_langgraph_react_agent_tool_loop(make_cluster: Any, streaming: boo
         assert m.usage_metadata is not None and "input_token_details" in m.usage_metadata
         client_cached.append(m.usage_metadata["input_token_details"].get("cache_read", -1))
     check_agent(await record_of(c, seen), seen, client_cached, [False, True] * len(TASKS))
-    # ChatOpenAI sends an AIMessage back without the engine's reasoning: kvgate restores it from the
-    # record on every earlier reply (one more each request), which is why the chain still matches.
-    assert [restored(h) for h in seen.headers] == list(range(len(seen.headers)))
+    # ChatOpenAI on Chat Completions sends an AIMessage back without the engine's reasoning, and on the
+    # Responses API streamed it keeps no reasoning text either (its stream reader takes reasoning
+    # summaries, kvgate streams reasoning_text as vLLM does): kvgate restores every earlier reply's
+    # reasoning from the record (one more each request), which is why the chain still matches. Unstreamed
+    # Responses items carry the reasoning_text back: nothing to restore.
+    restores = api == "chat" or streaming
+    assert [restored(h) for h in seen.headers] == [i if restores else 0 for i in range(len(seen.headers))]
     await http.aclose()
