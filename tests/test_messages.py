@@ -248,3 +248,27 @@ async def test_the_configured_secret_signs(make_cluster: Any) -> None:
         async with httpx.AsyncClient(base_url=c.url) as h:
             r = await h.post("/v1/messages", json={"model": MODEL, "max_tokens": 8, "messages": msgs})
         assert r.status_code == status, r.text
+
+
+async def test_cache_control_markers_are_accepted_and_leave_the_prompt_as_it_is(make_cluster: Any) -> None:
+    """Claude Code marks its system prompt, tools and latest message with ``cache_control``: accepted on every
+    block kind and at the top level, and the prompt is the same tokens as without them (docs/protocols.md)."""
+    c = await make_cluster(1, events=True)
+    await eventually(lambda: len(c.gateway.prefix.events.workers()) == 1)
+    mark: Any = {"type": "ephemeral", "ttl": "1h"}
+    _, msgs = await run_loop(c, 1, {"x-claude-code-session-id": "cc-marks"})
+    plain: dict[str, Any] = dict(model=MODEL, system=[{"type": "text", "text": SYSTEM}], messages=msgs, tools=TOOLS)
+    marked: dict[str, Any] = dict(
+        model=MODEL, system=[{"type": "text", "text": SYSTEM, "cache_control": mark}],
+        tools=[{**TOOLS[0], "cache_control": mark}],
+        messages=[msgs[0], msgs[1], {"role": "user", "content": [{**msgs[2]["content"][0], "cache_control": mark}]}])
+    ac = client(c)
+    counted = [(await ac.messages.count_tokens(**kw)).input_tokens for kw in (marked, plain)]
+    assert counted[0] == counted[1]
+    raw = await ac.messages.with_raw_response.create(
+        max_tokens=2048, thinking=THINKING, extra_body={**SIM, "cache_control": mark},
+        extra_headers={"x-claude-code-session-id": "cc-marks"}, **marked)
+    msg = await raw.parse()
+    # The marked request continues the unmarked chain: its cache reads are what kvgate expected.
+    assert msg.usage.cache_read_input_tokens == int(raw.headers["x-kvgate-expected-cached-tokens"]) > 0
+    assert msg.usage.cache_creation_input_tokens == 0
