@@ -96,6 +96,9 @@ async def test_tool_loop_with_thinking_sticks_and_reuses_the_cache(make_cluster:
     # block of the history are prefilled again.
     for _, uncached, _, _ in steps[1:]:
         assert uncached < 128 + 60 + 40, steps
+    from tests.test_responses import assert_losses_named
+
+    await assert_losses_named(c, "cc-session-1")
 
 
 async def test_tampered_signature_is_refused_in_anthropics_shape(make_cluster: Any) -> None:
