@@ -75,7 +75,9 @@ def check_agent(rec: dict[str, Any], seen: Seen, client_cached: list[int], tool_
                                                                      strict=True) if in_chain), cached
     user_turn = 0
     for prev, t, in_chain in zip(turns[:-1], turns[1:], tool_chain[1:], strict=True):
-        assert t["cache_lost_tokens"] == 0  # nothing rerouted or evicted: all loss is the prompt's
+        # Nothing rerouted or evicted. The one cache-side loss a tool chain can have: the previous reply
+        # ended on a block boundary, whose last token no engine computes (tests/test_responses.py).
+        assert t["cache_lost_tokens"] == 0 or (prev["prompt_tokens"] + prev["completion_tokens"]) % 128 == 0, t
         if t["lost_tokens"]:
             assert t["loss_cause"], t  # every lost token is named
         if in_chain:
