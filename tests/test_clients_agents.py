@@ -13,6 +13,7 @@ every token of history that was not reused named with a cause."""
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -33,14 +34,16 @@ TASKS = ["find the cache bug in the store module", "and the one in the router?",
 
 @dataclass
 class Seen:
-    """What kvgate told one client, from its response headers (read by an httpx hook: the client's own
-    requests are not touched)."""
+    """What one client sent and kvgate told it, from its response headers (read by an httpx hook: the
+    client's own requests are not touched)."""
 
     headers: list[httpx2.Headers] = field(default_factory=list)
+    bodies: list[dict[str, Any]] = field(default_factory=list)
 
     async def __call__(self, response: httpx2.Response) -> None:
         if response.request.url.path.endswith(("/chat/completions", "/responses")):
             self.headers.append(response.headers)
+            self.bodies.append(json.loads(response.request.content))
 
     def client(self) -> httpx2.AsyncClient:
         return openai.DefaultAsyncHttpxClient(event_hooks={"response": [self]}, timeout=60)
@@ -49,7 +52,7 @@ class Seen:
 async def record_of(c: Cluster, seen: Seen) -> dict[str, Any]:
     convs = {h["x-kvgate-conversation-id"] for h in seen.headers}
     assert len(convs) == 1, convs  # one agent, one conversation, without a key of its own
-    assert {h["x-kvgate-conversation-source"] for h in seen.headers} <= {"derived", "regrouped"}
+    assert {h["x-kvgate-conversation-source"] for h in seen.headers} <= {"derived", "regrouped", "previous_response_id"}
     async with httpx.AsyncClient() as h:
         r = await h.get(f"{c.url}/admin/conversations/{convs.pop()}")
     assert r.status_code == 200, r.text
@@ -109,12 +112,14 @@ async def precise(make_cluster: Callable[..., Awaitable[Cluster]], n: int = 3) -
     return c
 
 
-# -- the OpenAI Agents SDK, OpenAIChatCompletionsModel ------------------------------------------------
+# -- the OpenAI Agents SDK ------------------------------------------------------------------------------
 agents = pytest.importorskip("agents")
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["run", "run_streamed"])
-@pytest.mark.parametrize("api", ["chat", "responses"])
+# "chained": the default model on previous_response_id (auto_previous_response_id): each request sends only
+# what is new, and kvgate's stored responses carry the history.
+@pytest.mark.parametrize("api", ["chat", "responses", "chained"])
 async def test_agents_sdk_tool_loop(make_cluster: Any, api: str, stream: bool) -> None:
     import agents as sdk
 
@@ -136,22 +141,30 @@ async def test_agents_sdk_tool_loop(make_cluster: Any, api: str, stream: bool) -
     cfg = sdk.RunConfig(tracing_disabled=True)
     items: list[Any] = []
     client_cached: list[int] = []
+    chain: dict[str, Any] = {}
     for task in TASKS:
         items.append({"role": "user", "content": task})
+        if api == "chained":
+            chain = dict(auto_previous_response_id=True, previous_response_id=chain.get("previous_response_id"))
+            items = items[-1:]
         if stream:
-            res: Any = sdk.Runner.run_streamed(agent, items, run_config=cfg)
+            res: Any = sdk.Runner.run_streamed(agent, items, run_config=cfg, **chain)
             async for _ in res.stream_events():
                 pass
         else:
-            res = await sdk.Runner.run(agent, items, run_config=cfg)
+            res = await sdk.Runner.run(agent, items, run_config=cfg, **chain)
         assert res.final_output
         client_cached += [r.usage.input_tokens_details.cached_tokens for r in res.raw_responses]
         items = res.to_input_list()
+        chain["previous_response_id"] = res.last_response_id
     assert len(calls) == len(TASKS)
     check_agent(await record_of(c, seen), seen, client_cached, [False, True] * len(TASKS))
     # The SDK replays the engine's reasoning itself (its chat converter keeps the `reasoning` field; its
     # Responses items keep reasoning_text content): kvgate has nothing to restore.
     assert [restored(h) for h in seen.headers] == [0] * len(seen.headers)
+    if api == "chained":  # what it sent after the first request: only the new items, on the last response
+        assert all(b.get("previous_response_id") for b in seen.bodies[1:]), seen.bodies
+        assert all(len(b["input"]) == 1 for b in seen.bodies[1:])
     await oc.close()
 
 
