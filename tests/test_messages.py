@@ -277,7 +277,8 @@ async def test_cache_control_markers_are_accepted_and_leave_the_prompt_as_it_is(
     assert msg.usage.cache_creation_input_tokens == 0
 
 
-async def test_the_sdks_tool_runner_falls_back_from_message_threads(make_cluster: Any) -> None:
+@pytest.mark.parametrize("stream", [False, True], ids=["create", "stream"])
+async def test_the_sdks_tool_runner_falls_back_from_message_threads(make_cluster: Any, stream: bool) -> None:
     """``client.beta.messages.tool_runner`` sends ``thread`` (the message-threads beta: history kept on the
     server, only new messages sent). kvgate refuses it as Anthropic refuses a request it cannot thread, the
     SDK resends the whole history unthreaded, and the loop runs on one worker with the cache growing."""
@@ -307,11 +308,13 @@ async def test_the_sdks_tool_runner_falls_back_from_message_threads(make_cluster
 
     http = anthropic.DefaultAsyncHttpxClient(event_hooks={"request": [keep], "response": [answered]})
     async with anthropic.AsyncAnthropic(base_url=c.url, api_key="unused", max_retries=0, http_client=http) as ac:
-        runner = ac.beta.messages.tool_runner(
-            model=MODEL, max_tokens=2048, system=SYSTEM, tools=[search], thinking=THINKING,
-            messages=[{"role": "user", "content": "fix the failing test"}],
-            extra_headers={"x-claude-code-session-id": "cc-runner"})
-        replies = [m async for m in runner]
+        kw: dict[str, Any] = dict(model=MODEL, max_tokens=2048, system=SYSTEM, tools=[search], thinking=THINKING,
+                                  messages=[{"role": "user", "content": "fix the failing test"}],
+                                  extra_headers={"x-claude-code-session-id": f"cc-runner-{stream}"})
+        if stream:
+            replies = [await s.get_final_message() async for s in ac.beta.messages.tool_runner(stream=True, **kw)]
+        else:
+            replies = [m async for m in ac.beta.messages.tool_runner(**kw)]
     assert [m.stop_reason for m in replies] == ["tool_use", "end_turn"] and len(calls) == 1
     assert "thread" in sent[0] and seen[0][0] == 400  # refused once, then never sent again
     assert all("thread" not in b for b in sent[1:]) and [s for s, _ in seen[1:]] == [200, 200]
@@ -320,4 +323,4 @@ async def test_the_sdks_tool_runner_falls_back_from_message_threads(make_cluster
     assert len({h["x-kvgate-worker"] for h in ok}) == 1
     cached = [m.usage.cache_read_input_tokens or 0 for m in replies]
     assert cached == [int(h["x-kvgate-expected-cached-tokens"]) for h in ok] and cached[0] == 0 < cached[1]
-    await assert_losses_named(c, "cc-runner")
+    await assert_losses_named(c, f"cc-runner-{stream}")
