@@ -90,7 +90,9 @@ def to_chat(body: Mapping[str, Any], signer: Signer, count: bool = False) -> dic
     for k, v in body.items():
         if k in REFUSED:
             raise _bad(f"{k}: not supported by this gateway", k)
-        if k == "thread" and v is not None:
+        if k == "thread":
+            if v is None:
+                continue
             # The message-threads beta (the SDK's tool runner sends it by default) keeps the history on the
             # server and sends only the new messages. kvgate answers as Anthropic does for a request it
             # cannot thread: the SDK then drops `thread` and resends the whole history, which kvgate caches.
