@@ -151,7 +151,7 @@ async def test_retrieve_input_items_delete(make_cluster: Any) -> None:
     assert got.model_dump() == r.model_dump() and got.metadata == {"k": "v"} and got.temperature == 0.5
     items = await oc.responses.input_items.list(r.id)
     assert [i.type for i in items.data] == ["message"]
-    assert items.data[0].content[0].text == "hello"  # type: ignore[union-attr]
+    assert items.data[0].content[0].text == "hello"  # type: ignore[union-attr,index]
     await oc.responses.delete(r.id)
     with pytest.raises(openai.NotFoundError):
         await oc.responses.retrieve(r.id)
@@ -197,15 +197,15 @@ async def test_streaming_event_sequence(make_cluster: Any) -> None:
     kinds = [e.type for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
     for item in ("reasoning_text", "output_text"):
-        i = kinds.index(f"response.{item}.delta")
+        i = list[str](kinds).index(f"response.{item}.delta")
         assert kinds[i - 2:i] == ["response.output_item.added", "response.content_part.added"]
         assert f"response.{item}.done" in kinds
     assert "response.function_call_arguments.delta" in kinds and "response.function_call_arguments.done" in kinds
     assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 3
     done = events[-1].response  # type: ignore[union-attr]
     assert [o.type for o in done.output] == ["reasoning", "message", "function_call"]
-    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")  # type: ignore[union-attr]
-    assert done.output[1].content[0].text == text  # type: ignore[union-attr]
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert done.output[1].content[0].text == text  # type: ignore[union-attr,index]
     assert done.usage is not None and done.usage.output_tokens > 0
     assert (await oc.responses.retrieve(done.id)).output == done.output
 
@@ -223,7 +223,7 @@ async def test_errors_in_openai_shape(make_cluster: Any) -> None:
     c = await make_cluster(1)
     oc = client(c)
     with pytest.raises(openai.BadRequestError) as e:
-        await oc.responses.create(model=MODEL, input="x", tools=[{"type": "web_search"}])  # type: ignore[list-item]
+        await oc.responses.create(model=MODEL, input="x", tools=[{"type": "web_search"}])
     assert e.value.body["param"] == "tools[0].type"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as e:
         await oc.responses.create(model=MODEL, input=[{"type": "function_call_output", "call_id": "call_nope",
@@ -301,7 +301,7 @@ async def test_length_is_incomplete(make_cluster: Any, stream: bool) -> None:
     if stream:
         events = [e async for e in await oc.responses.create(stream=True, **kw)]
         assert events[-1].type == "response.incomplete"
-        r = events[-1].response  # type: ignore[union-attr]
+        r = events[-1].response
     else:
         r = await oc.responses.create(**kw)
     assert r.status == "incomplete" and r.incomplete_details is not None
