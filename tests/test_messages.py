@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 
 from tests.conftest import MODEL, Cluster
 from tests.test_gateway import eventually
+from tests.test_responses import assert_losses_named
 
 TOOLS: list[Any] = [{"name": "search", "description": "search the code",
                      "input_schema": {"type": "object", "properties": {"q": {"type": "string"}}}}]
@@ -96,6 +98,7 @@ async def test_tool_loop_with_thinking_sticks_and_reuses_the_cache(make_cluster:
     # block of the history are prefilled again.
     for _, uncached, _, _ in steps[1:]:
         assert uncached < 128 + 60 + 40, steps
+    await assert_losses_named(c, "cc-session-1")
 
 
 async def test_tampered_signature_is_refused_in_anthropics_shape(make_cluster: Any) -> None:
@@ -248,3 +251,76 @@ async def test_the_configured_secret_signs(make_cluster: Any) -> None:
         async with httpx.AsyncClient(base_url=c.url) as h:
             r = await h.post("/v1/messages", json={"model": MODEL, "max_tokens": 8, "messages": msgs})
         assert r.status_code == status, r.text
+
+
+async def test_cache_control_markers_are_accepted_and_leave_the_prompt_as_it_is(make_cluster: Any) -> None:
+    """Claude Code marks its system prompt, tools and latest message with ``cache_control``: accepted on every
+    block kind and at the top level, and the prompt is the same tokens as without them (docs/protocols.md)."""
+    c = await make_cluster(1, events=True)
+    await eventually(lambda: len(c.gateway.prefix.events.workers()) == 1)
+    mark: Any = {"type": "ephemeral", "ttl": "1h"}
+    _, msgs = await run_loop(c, 1, {"x-claude-code-session-id": "cc-marks"})
+    plain: dict[str, Any] = dict(model=MODEL, system=[{"type": "text", "text": SYSTEM}], messages=msgs, tools=TOOLS)
+    marked: dict[str, Any] = dict(
+        model=MODEL, system=[{"type": "text", "text": SYSTEM, "cache_control": mark}],
+        tools=[{**TOOLS[0], "cache_control": mark}],
+        messages=[msgs[0], msgs[1], {"role": "user", "content": [{**msgs[2]["content"][0], "cache_control": mark}]}])
+    ac = client(c)
+    counted = [(await ac.messages.count_tokens(**kw)).input_tokens for kw in (marked, plain)]
+    assert counted[0] == counted[1]
+    raw = await ac.messages.with_raw_response.create(
+        max_tokens=2048, thinking=THINKING, extra_body={**SIM, "cache_control": mark},
+        extra_headers={"x-claude-code-session-id": "cc-marks"}, **marked)
+    msg = await raw.parse()
+    # The marked request continues the unmarked chain: its cache reads are what kvgate expected.
+    assert msg.usage.cache_read_input_tokens == int(raw.headers["x-kvgate-expected-cached-tokens"]) > 0
+    assert msg.usage.cache_creation_input_tokens == 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["create", "stream"])
+async def test_the_sdks_tool_runner_falls_back_from_message_threads(make_cluster: Any, stream: bool) -> None:
+    """``client.beta.messages.tool_runner`` sends ``thread`` (the message-threads beta: history kept on the
+    server, only new messages sent). kvgate refuses it as Anthropic refuses a request it cannot thread, the
+    SDK resends the whole history unthreaded, and the loop runs on one worker with the cache growing."""
+    c = await make_cluster(3, events=True)
+    await eventually(lambda: len(c.gateway.prefix.events.workers()) == 3)
+    calls: list[str] = []
+
+    @anthropic.beta_async_tool
+    async def search(query: str, step: int = 0) -> str:
+        """Search the code.
+
+        Args:
+            query: what to look for
+            step: which step of the search
+        """
+        calls.append(query)
+        return f"found {query} in store.py " * 20
+
+    sent: list[dict[str, Any]] = []
+    seen: list[tuple[int, Any]] = []
+
+    async def keep(request: Any) -> None:
+        sent.append(json.loads(request.content))
+
+    async def answered(response: Any) -> None:
+        seen.append((response.status_code, response.headers))
+
+    http = anthropic.DefaultAsyncHttpxClient(event_hooks={"request": [keep], "response": [answered]})
+    async with anthropic.AsyncAnthropic(base_url=c.url, api_key="unused", max_retries=0, http_client=http) as ac:
+        kw: dict[str, Any] = dict(model=MODEL, max_tokens=2048, system=SYSTEM, tools=[search], thinking=THINKING,
+                                  messages=[{"role": "user", "content": "fix the failing test"}],
+                                  extra_headers={"x-claude-code-session-id": f"cc-runner-{stream}"})
+        if stream:
+            replies = [await s.get_final_message() async for s in ac.beta.messages.tool_runner(stream=True, **kw)]
+        else:
+            replies = [m async for m in ac.beta.messages.tool_runner(**kw)]
+    assert [m.stop_reason for m in replies] == ["tool_use", "end_turn"] and len(calls) == 1
+    assert "thread" in sent[0] and seen[0][0] == 400  # refused once, then never sent again
+    assert all("thread" not in b for b in sent[1:]) and [s for s, _ in seen[1:]] == [200, 200]
+    assert len(sent[2]["messages"]) == 3  # the whole history: user, assistant (thinking, tool_use), tool_result
+    ok = [h for _, h in seen[1:]]
+    assert len({h["x-kvgate-worker"] for h in ok}) == 1
+    cached = [m.usage.cache_read_input_tokens or 0 for m in replies]
+    assert cached == [int(h["x-kvgate-expected-cached-tokens"]) for h in ok] and cached[0] == 0 < cached[1]
+    await assert_losses_named(c, f"cc-runner-{stream}")

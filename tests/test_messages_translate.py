@@ -147,3 +147,19 @@ async def test_a_worker_lost_mid_stream_is_an_error_event() -> None:
                                                             "message": "worker w failed mid-stream"}})
     cut = await _events(_chunks(_d({"content": "par"})))
     assert cut[-1][0] == "error"
+
+
+def test_a_thread_is_refused_in_the_shape_the_sdk_falls_back_on() -> None:
+    from kvgate.fronts.messages.errors import error_body
+
+    base: dict[str, Any] = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    assert "thread" not in translate.to_chat({**base, "thread": None}, S)
+    for thread in ({"type": "create"}, {"type": "continue", "previous_message_id": "msg_1"}):
+        with pytest.raises(BadRequest) as ei:
+            translate.to_chat({**base, "thread": thread}, S)
+        assert ei.value.status == 400
+        assert error_body(400, ei.value)["error"]["details"] == {"error_code": "thread_unsupported_request",
+                                                                  "unsupported": ["thread"]}
+    with pytest.raises(BadRequest) as other:
+        translate.to_chat({**base, "container": "c"}, S)
+    assert "details" not in error_body(400, other.value)["error"]  # only the thread refusal carries them

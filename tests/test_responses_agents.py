@@ -4,13 +4,16 @@ through kvgate in front of simulated workers."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import openai
 import pytest
 
 from tests.conftest import MODEL
+
+if TYPE_CHECKING:
+    import httpx2  # the openai SDK's own httpx fork
 
 agents = pytest.importorskip("agents")
 
@@ -29,12 +32,12 @@ async def test_agents_sdk_tool_loop(make_cluster: Any) -> None:
 
     sent: list[dict[str, Any]] = []
 
-    async def keep(request: httpx.Request) -> None:
+    async def keep(request: httpx2.Request) -> None:
         sent.append(json.loads(request.content))
 
     oc = openai.AsyncOpenAI(base_url=c.url + "/v1", api_key="unused", max_retries=0,
                             default_headers={"x-session-id": "agents-sdk-1"},
-                            http_client=httpx.AsyncClient(event_hooks={"request": [keep]}))
+                            http_client=openai.DefaultAsyncHttpxClient(event_hooks={"request": [keep]}))
     agent = Agent(name="fixer", instructions="You fix bugs. " * 30, tools=[search],
                   model=OpenAIResponsesModel(MODEL, oc), model_settings=ModelSettings(max_tokens=256))
     result = await Runner.run(agent, "find the cache bug", run_config=RunConfig(tracing_disabled=True))

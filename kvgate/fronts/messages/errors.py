@@ -21,7 +21,11 @@ def error_type(status: int) -> str:
 
 
 def error_body(status: int, err: ApiError | dict[str, Any]) -> dict[str, Any]:
-    return {"type": "error", "error": {"type": error_type(status), "message": _message(status, err)}}
+    out: dict[str, Any] = {"type": error_type(status), "message": _message(status, err)}
+    if isinstance(err, ApiError) and err.code == "thread_unsupported_request":
+        # What the SDK's message threads read to fall back to the full history (anthropic lib/threads).
+        out["details"] = {"error_code": err.code, "unsupported": [err.param or "thread"]}
+    return {"type": "error", "error": out}
 
 
 def _message(status: int, err: ApiError | dict[str, Any]) -> str:

@@ -30,6 +30,10 @@ IGNORED = frozenset({"service_tier", "inference_geo", "speed", "diagnostics", "c
 REFUSED = frozenset({"container", "mcp_servers", "context_management", "output_format"})
 """Anthropic features kvgate cannot provide (server-side containers, MCP, context editing, structured output)."""
 
+THREAD_UNSUPPORTED = "thread_unsupported_request"
+"""The error code of Anthropic's refusal to thread a request (``error.details.error_code``), on which the SDK's
+threaded clients fall back to sending the whole history."""
+
 CHAT_ONLY = frozenset({"n", "stream_options", "logprobs", "top_logprobs", "response_format", "functions",
                        "function_call", "stop", "max_completion_tokens", "parallel_tool_calls", "prompt",
                        "previous_response_id", "logit_bias", "tool_calls", "modalities", "audio", "prediction",
@@ -86,6 +90,14 @@ def to_chat(body: Mapping[str, Any], signer: Signer, count: bool = False) -> dic
     for k, v in body.items():
         if k in REFUSED:
             raise _bad(f"{k}: not supported by this gateway", k)
+        if k == "thread":
+            if v is None:
+                continue
+            # The message-threads beta (the SDK's tool runner sends it by default) keeps the history on the
+            # server and sends only the new messages. kvgate answers as Anthropic does for a request it
+            # cannot thread: the SDK then drops `thread` and resends the whole history, which kvgate caches.
+            raise BadRequest("thread: message threads are not supported by this gateway; send the full history",
+                             param="thread", code=THREAD_UNSUPPORTED)
         if k in CHAT_ONLY:
             raise _bad(f"{k}: Extra inputs are not permitted (a Chat Completions field, not a Messages one)", k)
         if k not in KNOWN and k not in IGNORED:
