@@ -7,7 +7,6 @@ each with ``Retry-After``."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -21,6 +20,7 @@ from kvgate.admission.settings import AdmissionSettings, Priority
 from kvgate.admission.slots import SlotPool
 from kvgate.admission.store import QuotaStore, QuotaStoreError
 from kvgate.errors import ApiError, BadRequest, ServiceUnavailable
+from kvgate.tasks import cancel_and_wait, stopping
 
 log = logging.getLogger(__name__)
 
@@ -135,9 +135,7 @@ class Admission:
 
     async def aclose(self) -> None:
         for t in self._loops:
-            t.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+            await cancel_and_wait(t)
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.store.close()
@@ -301,7 +299,7 @@ class Admission:
 
     async def _renew_loop(self) -> None:
         period = self.settings.lease_ttl_s / 3
-        while True:
+        while not stopping():
             await asyncio.sleep(period)
             held = {t: set(ls) for t, ls in self._held.items()}
             if not held:
@@ -314,7 +312,7 @@ class Admission:
     async def _grant_loop(self) -> None:
         # Capacity also grows without a release here: a worker joins, other replicas' requests end, a cap
         # is learned higher. Waiters are looked at again a few times a second.
-        while True:
+        while not stopping():
             await asyncio.sleep(GRANT_TICK_S)
             for model in list(self._pools):
                 self._grant(model)

@@ -13,7 +13,6 @@ a key itself — a leaked config or Secret leaks hashes, not keys.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import hmac
 import json
@@ -31,6 +30,7 @@ import yaml
 
 from kvgate.errors import ApiError
 from kvgate.settings.auth import ApiKey, AuthSettings, JwtSettings, Role
+from kvgate.tasks import cancel_and_wait, stopping
 
 log = logging.getLogger(__name__)
 
@@ -155,11 +155,8 @@ class Authenticator:
             self._task = asyncio.create_task(self._refresh_loop(), name="auth-refresh")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def refresh(self, jwks: bool = True) -> None:
         """Re-read the API key file (if it changed) and, with ``jwks``, the JWKS; a failure keeps the
@@ -179,7 +176,7 @@ class Authenticator:
         # the JWKS every jwks_refresh_s.
         every = self.settings.jwt.jwks_refresh_s
         last = time.monotonic()
-        while True:
+        while not stopping():
             await asyncio.sleep(min(every, 30.0))
             due = time.monotonic() - last >= every
             await self.refresh(jwks=due)

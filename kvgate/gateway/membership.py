@@ -22,6 +22,7 @@ from kvgate.gateway.kvevents import KvEventSubscriber
 from kvgate.gateway.prefix import PrefixKnowledge
 from kvgate.gateway.workers import WorkerPool
 from kvgate.router.types import WorkerId
+from kvgate.tasks import cancel_and_wait, stopping
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +123,7 @@ class Membership:
 
     async def _retry_joins(self) -> None:
         """Workers found before they were healthy join as soon as they are (a source may not report again)."""
-        while True:
+        while not stopping():
             await asyncio.sleep(self._retry_s)
             pending = [w.config for w in self.pool.all() if w.joining and w.id in self._managed]
             await asyncio.gather(*(self._join(c) for c in pending), return_exceptions=True)
@@ -131,6 +132,5 @@ class Membership:
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+            await cancel_and_wait(t)
         self._tasks = []

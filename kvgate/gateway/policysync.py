@@ -20,6 +20,7 @@ from kvgate.errors import ApiError, ServiceUnavailable
 from kvgate.gateway.policyedit import PolicyChange, PolicyLog, PolicyTarget, validate
 from kvgate.kvstore.conversations import StoreError
 from kvgate.kvstore.policy import PolicyDoc, PolicyStore
+from kvgate.tasks import cancel_and_wait, stopping
 
 log = logging.getLogger("kvgate.policy")
 
@@ -45,13 +46,10 @@ class PolicySync:
         self._task = asyncio.create_task(self._poll(), name="kvgate-policy-sync")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
 
     async def _poll(self) -> None:
-        while True:
+        while not stopping():
             await asyncio.sleep(self.poll_s)
             try:
                 await self.refresh()

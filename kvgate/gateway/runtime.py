@@ -18,7 +18,6 @@ Everything here is advisory: a command that fails is logged and counted, and no 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import logging
 from collections import defaultdict
@@ -52,6 +51,7 @@ from kvgate.session.controller import (
 )
 from kvgate.session.conversation import Conversation
 from kvgate.session.state import Learned, SessionState
+from kvgate.tasks import cancel_and_wait, stopping
 
 log = logging.getLogger(__name__)
 
@@ -272,7 +272,7 @@ class SessionRuntime:
 
     async def _run(self) -> None:
         last_error = ""
-        while True:
+        while not stopping():
             try:
                 await self.tick()
             except StoreError as exc:
@@ -299,8 +299,7 @@ class SessionRuntime:
         for t in tasks:
             t.cancel()
         for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+            await cancel_and_wait(t)
         self._loop = None
 
     def snapshot(self) -> dict[str, Any]:

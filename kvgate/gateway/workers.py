@@ -28,6 +28,7 @@ from kvgate.gateway.health import Health, HealthTracker
 from kvgate.kvstore.health import HealthBoard
 from kvgate.router.hashing import HASH_ALGOS, HashSpec
 from kvgate.router.types import FleetView, WorkerId, WorkerView
+from kvgate.tasks import cancel_and_wait, stopping
 
 log = logging.getLogger(__name__)
 
@@ -439,7 +440,7 @@ class WorkerPool:
                 self._failure(w, repr(r), hard=False)
 
     async def _loop(self) -> None:
-        while True:
+        while not stopping():
             await self.check_all()
             try:
                 await self.learn()
@@ -452,8 +453,5 @@ class WorkerPool:
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="worker-health")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
