@@ -118,11 +118,12 @@ async def main() -> None:
     ap.add_argument("--out", default="bench-out/serve-workers")
     a = ap.parse_args()
     out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+    await asyncio.to_thread(out.mkdir, parents=True, exist_ok=True)
     from kvgate.tokens.tinymodel import ensure_tiny_model
 
     model_dir = ensure_tiny_model()
-    sims, gw = [], None
+    sims: list[subprocess.Popen[bytes]] = []
+    gw: subprocess.Popen[bytes] | None = None
     try:
         ports = []
         for i in range(a.sims):
@@ -149,9 +150,9 @@ async def main() -> None:
             gw.wait(60)
             gw = None
     finally:
-        for p in [*sims, *([gw] if gw else [])]:
-            p.terminate()
-            p.wait(30)
+        for proc in [*sims, *([gw] if gw else [])]:
+            proc.terminate()
+            proc.wait(30)
 
 
 if __name__ == "__main__":
