@@ -76,7 +76,7 @@ async def _serve(args: argparse.Namespace) -> None:
     from kvgate.podview import PodView
     from kvgate.serving import freeze_startup_heap, start_server
     from kvgate.settings_cli import overrides
-    from kvgate.supervisor import ChildSpec
+    from kvgate.supervisor import CHILD_ENV, ChildSpec
 
     # `kvgate epp` is `serve` with the endpoint picker on (port 9002 unless configured).
     epp_port = getattr(args, "epp_port", None)
@@ -84,7 +84,8 @@ async def _serve(args: argparse.Namespace) -> None:
         epp_port = EPP_PORT
     given = {**overrides(args, GatewaySettings), "workers": args.worker or None, "epp_port": epp_port}
     settings = _settings_or_exit(GatewaySettings, **given)
-    child = ChildSpec.parse(args.child_spec) if args.child_spec else None
+    spec = os.environ.pop(CHILD_ENV, None)  # popped: nothing this child starts is a child of its supervisor
+    child = ChildSpec.parse(spec) if spec else None
     if child is None and settings.processes > 1:
         raise SystemExit(await _supervise(args, settings))
     if child is not None:
@@ -249,11 +250,10 @@ def _serve_parser(sub: Any, name: str = "serve") -> None:
                    "entry (kv_events=auto|tcp://HOST:PORT, block_size, hash_algo, id, ...; block size and hash "
                    "algorithm are learned from the worker's /metrics when it publishes them); given here, replaces "
                    "KVGATE_WORKERS and the YAML list")
-    s.add_argument("--workers", dest="processes", type=int, metavar="N",
+    s.add_argument("--workers", "--processes", dest="processes", type=int, metavar="N",
                    help="gateway processes on the one port, like uvicorn's and gunicorn's --workers (not the "
-                   "inference workers: --worker); above 1 needs session_store: redis "
-                   f"({_default(g, 'processes')}; docs/operations.md)")
-    s.add_argument("--child-spec", help=argparse.SUPPRESS)  # the supervisor's, to its children
+                   "inference workers: --worker); above 1 needs session_store: redis, docs/operations.md "
+                   f"({_default(g, 'processes')})")
     add_options(s, g, skip=frozenset({"workers", "processes"}),
                 defaults={"epp_port": f"{EPP_PORT} for kvgate epp"} if name == "epp" else None)
 

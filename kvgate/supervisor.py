@@ -1,8 +1,8 @@
 """``kvgate serve --workers N``: N gateway processes that act as one pod, each on a core of its own.
 
 The supervisor (like gunicorn's arbiter and uvicorn's ``--workers`` supervisor) binds the listening
-socket once and starts N children, each a fresh ``python -m kvgate.cli`` with the same arguments plus
-``--child-spec``: its index, the inherited socket and a socketpair to the supervisor (``link``). One
+socket once and starts N children, each a fresh ``python -m kvgate.cli`` with the same arguments and, in
+``_KVGATE_CHILD_SPEC``, its index, the inherited socket and a socketpair to the supervisor (``link``). One
 socket rather than N with SO_REUSEPORT: a child that dies or restarts leaves the connections still queued
 to its siblings (a SO_REUSEPORT socket's queue is reset with it), and an idle process takes the next
 connection rather than a hash picking a busy one.
@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvgate.supervisor")
 
 UP = b"up"
+CHILD_ENV = "_KVGATE_CHILD_SPEC"
+"""Not ``KVGATE_*``: that prefix is the settings'."""
 RESTART_PAUSE_S = (0.5, 10.0)
 STABLE_S = 30.0
 """A child that ran this long before it exited is restarted after the shortest pause again."""
@@ -46,7 +48,7 @@ STABLE_S = 30.0
 
 @dataclass(frozen=True)
 class ChildSpec:
-    """What a child is told on its command line (``--child-spec``)."""
+    """What a child is told (in ``CHILD_ENV``)."""
 
     index: int
     count: int
@@ -180,8 +182,8 @@ class Supervisor:
         spec = ChildSpec(index, self._count, self._sock.fileno(), theirs.fileno(), run_dir)
         try:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "kvgate.cli", *self._argv, "--child-spec", spec.encode(),
-                pass_fds=(self._sock.fileno(), theirs.fileno()), env=self._env)
+                sys.executable, "-m", "kvgate.cli", *self._argv,
+                pass_fds=(self._sock.fileno(), theirs.fileno()), env={**self._env, CHILD_ENV: spec.encode()})
         finally:
             theirs.close()
         ours.setblocking(False)
