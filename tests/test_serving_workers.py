@@ -191,3 +191,35 @@ def test_merged_metrics_keep_each_family_together_with_a_process_label() -> None
     assert healthy == {"0": 0.0, "1": 1.0}  # a gauge per process, not summed
     counts = [s for s in fams["kvgate_ttft_seconds"].samples if s.name == "kvgate_ttft_seconds_count"]
     assert sorted(s.labels["process"] for s in counts) == ["0", "1"]
+
+
+async def test_children_of_a_killed_supervisor_drain_and_exit(model_dir: Path, spawn: Any) -> None:
+    workers = await sims(model_dir, 1)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    pids: list[int] = []
+    try:
+        gw: Proc = spawn(*serve_args(workers, model_dir, port))
+        await gw.wait_http(url + "/ready", timeout_s=90)
+        async with fresh_connections() as client:
+            pids = [p["pid"] for p in (await client.get(url + "/ready")).json()["processes"]]
+        os.kill(gw.popen.pid, signal.SIGKILL)  # the OOM killer's way: no SIGTERM relayed
+        for _ in range(300):  # 30 s
+            if not any(_alive(p) for p in pids):
+                break
+            await asyncio.sleep(0.1)
+        assert not any(_alive(p) for p in pids), gw.tail()
+        assert "Traceback" not in gw.log_path.read_text(), gw.tail(60)
+    finally:
+        for pid in filter(_alive, pids):  # the spawn fixture signals the group of a live supervisor only
+            os.kill(pid, signal.SIGKILL)
+        for _, h in workers:
+            await h.stop()
+
+
+def _alive(pid: int) -> bool:
+    """Running, and not a zombie its (dead) supervisor left for init to reap."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
