@@ -22,6 +22,7 @@ from kvgate.demo import SYSTEM, USER_TURNS, chat_turn
 from kvgate.serving import ServerHandle, start_server
 from kvgate.sim.server import SimWorker
 from kvgate.sim.settings import SimSettings
+from kvgate.tune.log import read_logs
 from tests.conftest import MODEL, Proc, free_port
 
 REDIS = "redis://127.0.0.1:6379/0"
@@ -43,8 +44,8 @@ async def sims(model_dir: Path, n: int) -> list[tuple[SimWorker, ServerHandle]]:
     return out
 
 
-def serve_args(workers: list[tuple[SimWorker, ServerHandle]], model_dir: Path, port: int) -> list[str]:
-    args = ["serve", "--workers", "2", "--port", str(port), "--session-store", "redis", "--redis-url", REDIS,
+def serve_args(workers: list[tuple[SimWorker, ServerHandle]], model_dir: Path, port: int, *extra: str) -> list[str]:
+    args = ["serve", *extra, "--workers", "2", "--port", str(port), "--session-store", "redis", "--redis-url", REDIS,
             "--redis-prefix", f"kvgate-test:{uuid.uuid4().hex[:8]}:", "--hash-seed", "0",
             "--health-interval-s", "0.5", "--tokenizers", f'{{"{MODEL}": "{model_dir}"}}',
             "--drain-timeout-s", "20"]
@@ -100,12 +101,13 @@ async def policy_seen(client: httpx.AsyncClient, url: str, decode_ms: float, tim
     raise AssertionError(f"only processes {sorted(seen)} applied the edit within {timeout_s} s")
 
 
-async def test_two_processes_act_as_one_gateway(model_dir: Path, spawn: Any) -> None:
+async def test_two_processes_act_as_one_gateway(model_dir: Path, spawn: Any, tmp_path: Path) -> None:
     workers = await sims(model_dir, 2)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    request_log = tmp_path / "requests.jsonl"
     try:
-        gw: Proc = spawn(*serve_args(workers, model_dir, port))
+        gw: Proc = spawn(*serve_args(workers, model_dir, port, "--request-log", str(request_log)))
         await gw.wait_http(url + "/ready", timeout_s=90)
         async with fresh_connections() as client:
             ready = (await client.get(url + "/ready")).json()
@@ -159,6 +161,18 @@ async def test_two_processes_act_as_one_gateway(model_dir: Path, spawn: Any) -> 
     finally:
         for _, h in workers:
             await h.stop()
+    check_request_logs(tmp_path, len(rows))
+
+
+def check_request_logs(where: Path, requests: int) -> None:
+    """A request log per process, keyed alike: they replay together (the agents' first prompts share
+    their system prompt's blocks, so their first logged hash is one, whichever process logged it)."""
+    logs = sorted(where.glob("requests.jsonl.p*"))
+    assert [p.name for p in logs] == ["requests.jsonl.p0", "requests.jsonl.p1"]
+    entries = read_logs(logs).entries
+    assert len([e for e in entries if e.conv.startswith("agent-")]) == requests
+    firsts = {e.new[0] for e in entries if e.conv.startswith("agent-") and e.k == 0 and e.new}
+    assert len(firsts) == 1, firsts
 
 
 @pytest.mark.parametrize("extra", [[], ["--session-store", "memory"]])
