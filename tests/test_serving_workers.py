@@ -237,3 +237,13 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_process_that_cannot_start_ends_the_start_up_rather_than_restarting(tmp_path: Path) -> None:
+    # Start-up reads the tokenizer directory only in the children: the supervisor's settings check passes.
+    r = subprocess.run([sys.executable, "-m", "kvgate.cli", "serve", "--workers", "2", "--port", str(free_port()),
+                        "--session-store", "redis", "--redis-prefix", f"kvgate-test:{uuid.uuid4().hex[:8]}:",
+                        "--tokenizers", f'{{"{MODEL}": "{tmp_path / "missing"}"}}'],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "during start-up" in r.stderr and "starting it again" not in r.stderr
