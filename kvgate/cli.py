@@ -250,6 +250,11 @@ def _serve_parser(sub: Any, name: str = "serve") -> None:
                    "entry (kv_events=auto|tcp://HOST:PORT, block_size, hash_algo, id, ...; block size and hash "
                    "algorithm are learned from the worker's /metrics when it publishes them); given here, replaces "
                    "KVGATE_WORKERS and the YAML list")
+    # Also after the command: the image's ENTRYPOINT is `kvgate serve`, so the chart's args come after it.
+    # SUPPRESS: left out, the value given before the command (or its default) stands.
+    s.add_argument("--log-level", default=argparse.SUPPRESS, type=str.upper,
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level, as before the command "
+                   "(default: INFO)")
     s.add_argument("--workers", "--processes", dest="processes", type=int, metavar="N",
                    help="gateway processes on the one port, like uvicorn's and gunicorn's --workers (not the "
                    "inference workers: --worker); above 1 needs session_store: redis, docs/operations.md "

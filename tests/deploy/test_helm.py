@@ -188,6 +188,13 @@ def test_gateway_workers_become_processes_and_their_cpu_request(helm: dict[str, 
     objs = objects(helm, "processes")
     c = objs[("Deployment", "kvgate")]["spec"]["template"]["spec"]["containers"][0]
     assert c["args"][-2:] == ["--workers", "3"]
+    # The image's ENTRYPOINT is `kvgate serve`: kvgate's own parser takes the args the chart renders.
+    from kvgate.cli import _build_parser
+
+    for args in (one["args"], c["args"]):
+        parsed = _build_parser().parse_args(["serve", *args])
+        assert parsed.log_level == "INFO" and parsed.processes == (3 if args is c["args"] else None)
+    assert _build_parser().parse_args(["serve", "--log-level", "debug"]).log_level == "DEBUG"  # not the default
     assert c["resources"]["requests"] == {"cpu": "2700m", "memory": "512Mi"}
     # The rendered kvgate.yaml is one the processes can share: start-up accepts it with --workers 3.
     assert gateway_settings(objs, tmp_path, monkeypatch).session_store == "redis"
