@@ -73,8 +73,10 @@ def _parse_worker(spec: str) -> dict[str, str]:
 async def _serve(args: argparse.Namespace) -> None:
     from kvgate.assembly import create_app
     from kvgate.config import GatewaySettings
+    from kvgate.podview import PodView
     from kvgate.serving import freeze_startup_heap, start_server
     from kvgate.settings_cli import overrides
+    from kvgate.supervisor import CHILD_ENV, ChildSpec
 
     # `kvgate epp` is `serve` with the endpoint picker on (port 9002 unless configured).
     epp_port = getattr(args, "epp_port", None)
@@ -82,6 +84,12 @@ async def _serve(args: argparse.Namespace) -> None:
         epp_port = EPP_PORT
     given = {**overrides(args, GatewaySettings), "workers": args.worker or None, "epp_port": epp_port}
     settings = _settings_or_exit(GatewaySettings, **given)
+    spec = os.environ.pop(CHILD_ENV, None)  # popped: nothing this child starts is a child of its supervisor
+    child = ChildSpec.parse(spec) if spec else None
+    if child is None and settings.processes > 1:
+        raise SystemExit(await _supervise(args, settings))
+    if child is not None:
+        settings = child.settings(settings)
     if not settings.workers:
         # Warn, not refuse: a gateway started before its workers (or, with discovery, before any joins) is
         # a normal state for an orchestrator; it answers /health, and /ready says 503 until one is healthy.
@@ -89,20 +97,28 @@ async def _serve(args: argparse.Namespace) -> None:
             "no workers configured: every completion will get 503 no_healthy_worker until one is named "
             "(--worker URL=MODEL[@ENGINE], KVGATE_WORKERS='[{\"url\": ..., \"model\": ...}]' or workers: in "
             "the KVGATE_CONFIG file)")
-    for extra_port in (settings.grpc_port, settings.epp_port):
-        _check_free(args.cmd, settings.host, extra_port)
+    if child is None:  # a child's supervisor tried them
+        for extra_port in (settings.grpc_port, settings.epp_port):
+            _check_free(args.cmd, settings.host, extra_port)
     app = create_app(settings)
     gw = app.state.gateway
 
     def drain() -> None:
         gw.draining = True
 
+    view = None if child is None else PodView(app, child.index, child.count, child.run_dir)
     try:
-        handle = await start_server(app, settings.host, settings.port, graceful_timeout_s=settings.drain_timeout_s,
-                                    on_drain=drain, install_signal_handlers=True, limits=settings.hostile.connections)
+        handle = await start_server(view or app, settings.host, settings.port,
+                                    graceful_timeout_s=settings.drain_timeout_s, on_drain=drain,
+                                    install_signal_handlers=True, limits=settings.hostile.connections,
+                                    sock=None if child is None else child.listener(),
+                                    accept_batch=None if child is None else SHARED_ACCEPT_BATCH)
     except OSError as exc:
         _cannot_listen(args.cmd, settings.host, settings.port, exc)
     freeze_startup_heap()
+    if child is not None and view is not None:
+        await _serve_child(child, app, view, handle)
+        return
     logging.getLogger("kvgate").info("gateway on %s with %d workers", handle.url, len(settings.workers))
     grpc = app.state.grpc
     if grpc.epp_port is not None:
@@ -110,6 +126,52 @@ async def _serve(args: argparse.Namespace) -> None:
     if grpc.control_port is not None:
         logging.getLogger("kvgate").info("gRPC control API on port %d", grpc.control_port)
     await handle.task
+
+
+SHARED_ACCEPT_BATCH = 1
+"""Connections a ``--workers`` child accepts per wake-up. asyncio's default takes every queued one at once,
+so the first child awake took all 48 of a client's opening connections and the other served none (the
+measured N=2 rate equalled N=1's); one at a time, a busy child leaves the next to an idle sibling."""
+
+
+async def _supervise(args: argparse.Namespace, settings: Any) -> int:
+    from kvgate.serving import bind
+    from kvgate.supervisor import Supervisor, child_env
+
+    try:
+        sock = bind(settings.host, settings.port)
+    except OSError as exc:
+        _cannot_listen(args.cmd, settings.host, settings.port, exc)
+    _check_free(args.cmd, settings.host, settings.grpc_port)
+    host, port = sock.getsockname()[:2]
+    logging.getLogger("kvgate").info("gateway on %s:%d with %d processes", host, port, settings.processes)
+    env = child_env(dict(os.environ), settings.request_log, settings.request_log_key)
+    # Drain, then the lifespan's shutdown (gRPC, stores): a child past this is stuck, not draining.
+    return await Supervisor(args.argv, sock, settings.processes, settings.drain_timeout_s + 15, env).run()
+
+
+async def _serve_child(child: Any, app: Any, view: Any, handle: Any) -> None:
+    """The rest of a ``--workers`` child's life: its private socket for its siblings (kvgate/podview.py),
+    ``up`` to the supervisor, drained when the supervisor is gone."""
+    import contextlib
+    import signal
+
+    from kvgate.podview import PidTagged, socket_path
+    from kvgate.serving import start_unix_server
+    from kvgate.supervisor import announce_and_watch
+
+    path = socket_path(child.run_dir, child.index)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)  # left by this index's previous process
+    private = await start_unix_server(PidTagged(app), path)
+    announce_and_watch(child.link(), lambda: handle.server.handle_exit(signal.SIGTERM, None))
+    logging.getLogger("kvgate").info("gateway process %d of %d serving (pid %d)", child.index, child.count,
+                                     os.getpid())
+    try:
+        await handle.task
+    finally:
+        await private.stop()
+        await view.aclose()
 
 
 async def _sim(args: argparse.Namespace) -> None:
@@ -179,16 +241,25 @@ def _serve_parser(sub: Any, name: str = "serve") -> None:
                            "keeps /health, /ready,\n/metrics, /admin/* (and the OpenAI API). docs/epp.md.")
     else:
         s = sub.add_parser("serve", help="run the gateway", formatter_class=argparse.RawDescriptionHelpFormatter,
-                           description="Run the gateway: one process, OpenAI-compatible API on HOST:PORT, /health, "
-                           "/ready, /metrics\nand /admin/*. Every setting is an option below, a KVGATE_* variable "
-                           "and a key of the\nKVGATE_CONFIG file (README: Configuration).")
+                           description="Run the gateway: one process (--workers N: N), OpenAI-compatible API on "
+                           "HOST:PORT,\n/health, /ready, /metrics and /admin/*. Every setting is an option below, a "
+                           "KVGATE_* variable\nand a key of the KVGATE_CONFIG file (README: Configuration).")
     s.add_argument("--worker", action="append", type=_parse_worker, metavar=WORKER_SPEC,
                    help="a worker, repeatable, e.g. http://10.0.0.5:8000=Qwen/Qwen3-8B@vllm,kv_events=auto; ENGINE "
                    f"is one of {', '.join(get_args(EngineKind))} (default vllm); KEY=VALUE: any field of a workers: "
                    "entry (kv_events=auto|tcp://HOST:PORT, block_size, hash_algo, id, ...; block size and hash "
                    "algorithm are learned from the worker's /metrics when it publishes them); given here, replaces "
                    "KVGATE_WORKERS and the YAML list")
-    add_options(s, g, skip=frozenset({"workers"}),
+    # Also after the command: the image's ENTRYPOINT is `kvgate serve`, so the chart's args come after it.
+    # SUPPRESS: left out, the value given before the command (or its default) stands.
+    s.add_argument("--log-level", default=argparse.SUPPRESS, type=str.upper,
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level, as before the command "
+                   "(default: INFO)")
+    s.add_argument("--workers", "--processes", dest="processes", type=int, metavar="N",
+                   help="gateway processes on the one port, like uvicorn's and gunicorn's --workers (not the "
+                   "inference workers: --worker); above 1 needs session_store: redis, docs/operations.md "
+                   f"({_default(g, 'processes')})")
+    add_options(s, g, skip=frozenset({"workers", "processes"}),
                 defaults={"epp_port": f"{EPP_PORT} for kvgate epp"} if name == "epp" else None)
 
 
@@ -316,6 +387,7 @@ def _build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     ap = _build_parser()
     args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # a --workers supervisor gives its children the same
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "httpcore", "matplotlib"):
         logging.getLogger(noisy).setLevel(logging.WARNING)  # one line per request drowns everything else

@@ -164,6 +164,9 @@ class GatewaySettings(YamlSettings):
     """Listen address of the HTTP API (and of the gRPC and ext_proc ports)."""
     port: int = Field(8000, ge=0, le=65535)
     """Listen port of the OpenAI API, /health, /ready, /metrics and /admin/*; 0 picks a free one."""
+    processes: int = Field(1, ge=1, le=64)
+    """Gateway processes in this pod, on one port (``kvgate serve --workers N``): one is one core. Above
+    1 they share state through Redis, so ``session_store: redis`` is required (docs/operations.md)."""
     workers: list[WorkerConfig] = Field(default_factory=list)
     """The static list of workers; with ``discovery`` set, workers it finds join these."""
     discovery: Discovery | None = None
@@ -355,6 +358,25 @@ class GatewaySettings(YamlSettings):
     @model_validator(mode="after")
     def _epp_callers(self) -> GatewaySettings:
         check_startup(self.epp_auth, self.auth.worker_api_key, self.epp_port)
+        return self
+
+    @model_validator(mode="after")
+    def _processes_share(self) -> GatewaySettings:
+        # N processes are one gateway only if what one learns the others read: conversations, timers,
+        # policy, worker health and quotas live in the store; with memory each would keep its own, and a
+        # conversation's next turn on a sibling would start cold.
+        if self.processes == 1:
+            return self
+        if self.session_store != "redis":
+            raise ValueError(f"processes: {self.processes} needs session_store: redis (the processes share "
+                             "conversations, timers, policy and worker health through it); with the memory "
+                             "store run one process (--workers 1) per pod")
+        if self.admission.enabled and self.admission.store == "memory":
+            raise ValueError(f"processes: {self.processes} needs admission.store redis or auto: with memory "
+                             "each process would count its own quotas")
+        if self.epp_port is not None:
+            raise ValueError(f"processes: {self.processes} with the endpoint picker (epp_port) is not "
+                             "supported: its ext_proc port is served by one process; run --workers 1")
         return self
 
     @model_validator(mode="after")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import gc
 import random
@@ -18,7 +19,7 @@ from pathlib import Path
 from types import FrameType
 
 import uvicorn
-from fastapi import FastAPI
+from starlette.types import ASGIApp
 
 from kvgate.connections import LISTEN_QUEUE, ConnectionPolicy, GuardedConfig
 from kvgate.settings.limits import ConnectionLimits
@@ -57,8 +58,10 @@ class ServerHandle:
         self.server = server
         self.task = task
         self._sock = sock
-        self.port: int = sock.getsockname()[1]
-        self.host: str = sock.getsockname()[0]
+        name = sock.getsockname()
+        # A Unix socket's name is its path: no port.
+        self.host: str = name if isinstance(name, str) else name[0]
+        self.port: int = 0 if isinstance(name, str) else name[1]
 
     @property
     def url(self) -> str:
@@ -107,16 +110,23 @@ def bind(host: str, port: int) -> socket.socket:
     raise OSError(errno.EADDRINUSE, f"no free port on {host}")
 
 
-async def start_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0, *,
+async def start_server(app: ASGIApp, host: str = "127.0.0.1", port: int = 0, *,
                        graceful_timeout_s: float | None = 10.0, on_drain: Callable[[], None] | None = None,
-                       install_signal_handlers: bool = False, limits: ConnectionLimits | None = None
-                       ) -> ServerHandle:
+                       install_signal_handlers: bool = False, limits: ConnectionLimits | None = None,
+                       sock: socket.socket | None = None, accept_batch: int | None = None) -> ServerHandle:
     """``limits``: header deadline and size, keep-alive, connection cap (the defaults unless given).
     ``graceful_timeout_s``: how long a stop waits for open connections and requests (None: for ever —
-    a peer that keeps a connection open then holds the stop; a test suite hung on one once)."""
-    sock = bind(host, port)
+    a peer that keeps a connection open then holds the stop; a test suite hung on one once).
+    ``sock``: a listening socket to serve instead of binding ``host``:``port`` (a ``kvgate serve --workers``
+    child serves the one its supervisor bound; kvgate/supervisor.py). ``accept_batch``: connections taken
+    per wake-up instead of the connection policy's (a child sharing its socket takes few, so that a burst
+    of new connections is spread over the processes rather than all taken by the first one awake)."""
+    sock = sock if sock is not None else bind(host, port)
     graceful = None if graceful_timeout_s is None else max(1, round(graceful_timeout_s))
-    config = GuardedConfig(app, ConnectionPolicy.from_limits(limits or ConnectionLimits()), log_level="warning",
+    policy = ConnectionPolicy.from_limits(limits or ConnectionLimits())
+    if accept_batch is not None:
+        policy = dataclasses.replace(policy, accept_batch=min(accept_batch, policy.accept_batch))
+    config = GuardedConfig(app, policy, log_level="warning",
                            lifespan="on", timeout_graceful_shutdown=graceful, access_log=False)
     server = DrainingServer(config, on_drain, owns_signals=install_signal_handlers)
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
@@ -127,6 +137,27 @@ async def start_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0, *,
         await asyncio.sleep(0.01)
     # asyncio listened with its accept batch as the queue length; the kernel's queue stays the full one.
     sock.listen(LISTEN_QUEUE)
+    return ServerHandle(server, task, sock)
+
+
+async def start_unix_server(app: ASGIApp, path: str) -> ServerHandle:
+    """``app`` on a Unix socket at ``path``, without its lifespan (the app's own server runs that): the
+    private door through which a ``--workers`` child answers its siblings (kvgate/podview.py)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        sock.listen(64)
+    except OSError:
+        sock.close()
+        raise
+    config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=2)
+    server = DrainingServer(config, owns_signals=False)
+    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():
+            task.result()
+            raise RuntimeError("server exited during start-up")
+        await asyncio.sleep(0.01)
     return ServerHandle(server, task, sock)
 
 

@@ -78,6 +78,15 @@ def test_gateways_share_redis_and_outlast_their_drain(stack: dict[str, Any]) -> 
         assert seconds > kvgate["drain_timeout_s"]
         assert g["depends_on"]["redis"]["condition"] == "service_healthy"
         assert g["environment"]["KVGATE_CONFIG"] == "/etc/kvgate/kvgate.yaml"
+        assert g["environment"]["KVGATE_PROCESSES"] == "1"  # KVGATE_GATEWAY_PROCESSES unset
+
+
+def test_gateway_processes_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVGATE_GATEWAY_PROCESSES", "2")
+    r = compose_config()
+    assert r.returncode == 0, r.stderr
+    services = yaml.safe_load(r.stdout)["services"]
+    assert {services[n]["environment"]["KVGATE_PROCESSES"] for n in ("gateway-1", "gateway-2")} == {"2"}
 
 
 def test_lmcache_uses_redis_as_l2_and_the_vllm_workers_use_lmcache(stack: dict[str, Any]) -> None:

@@ -105,9 +105,17 @@ def rule_files_groups() -> dict[str, list[str]]:
             for f in sorted((OBSERVABILITY / "rules").glob("*.yml")) for g in yaml.safe_load(f.read_text())["groups"]}
 
 
+def interpolate(value: str) -> str:
+    """``${VAR:-default}`` as compose reads it: the variable if set and not empty, else the default."""
+    import os
+    import re
+
+    return re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: os.environ.get(m[1]) or m[2], value)
+
+
 def compose_env(service: str) -> dict[str, str]:
     env = COMPOSE["services"][service].get("environment", {})
-    return {k: str(v) for k, v in env.items()}
+    return {k: interpolate(str(v)) for k, v in env.items()}
 
 
 @pytest.fixture(scope="module")

@@ -40,6 +40,7 @@ CASES: dict[str, dict[str, Any]] = {
                  "auth": {"apiKeySecret": {"name": "kvgate-keys"}, "upstreamKeySecret": {"name": "vllm-key"}},
                  "pdb": {"enabled": False}, "networkPolicy": {"enabled": False}, "rbac": {"create": False}},
     "no-workers": {"workers": {"mode": "none"}},
+    "processes": {"gateway": {"workers": 3, "cpuPerWorkerMillicores": 900}},
     "epp": {"epp": {"enabled": True, "httpRoute": {"create": True, "gatewayNamespace": "gateways"}}},
     "epp-pool": {"workers": {"mode": "none"}, "networkPolicy": {"enabled": False},
                  "epp": {"enabled": True, "replicas": 2, "port": 9100,
@@ -49,6 +50,7 @@ CASES: dict[str, dict[str, Any]] = {
     "bad-mode": {"workers": {"mode": "gpu"}},
     "redis-nowhere": {"redis": {"enabled": False}},
     "workers-in-extra": {"extraConfig": {"workers": []}},
+    "processes-on-memory": {"gateway": {"workers": 2}, "config": {"session_store": "memory"}},
     "epp-bad-failure-mode": {"epp": {"enabled": True, "inferencePool": {"failureMode": "Sometimes"}}},
     # Rendering stops with the chart's own message.
     "epp-no-selector": {"workers": {"mode": "none"}, "epp": {"enabled": True}},
@@ -128,7 +130,7 @@ def test_lint_passes_and_catches_a_broken_template(helm: dict[str, Any]) -> None
 
 
 @pytest.mark.parametrize("case", ["bad-mode", "redis-nowhere", "workers-in-extra", "epp-bad-failure-mode",
-                                  "observability-bad-label"])
+                                  "observability-bad-label", "processes-on-memory"])
 def test_schema_refuses_bad_values(helm: dict[str, Any], case: str) -> None:
     err = helm["cases"][case]["error"]
     assert err is not None and "schema" in err, err
@@ -177,6 +179,27 @@ def test_gateway_pod_drains_and_runs_locked_down(helm: dict[str, Any], tmp_path:
         assert dep["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
     assert objects(helm, "vllm")[("Deployment", "kvgate")]["spec"].get("replicas") is None  # the HPA owns it
     assert objects(helm, "default")[("Deployment", "kvgate")]["spec"]["replicas"] == 2
+
+
+def test_gateway_workers_become_processes_and_their_cpu_request(helm: dict[str, Any], tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    one = objects(helm, "default")[("Deployment", "kvgate")]["spec"]["template"]["spec"]["containers"][0]
+    assert "--workers" not in one["args"] and one["resources"]["requests"]["cpu"] == "500m"
+    objs = objects(helm, "processes")
+    c = objs[("Deployment", "kvgate")]["spec"]["template"]["spec"]["containers"][0]
+    assert c["args"][-2:] == ["--workers", "3"]
+    # The image's ENTRYPOINT is `kvgate serve`: kvgate's own parser takes the args the chart renders.
+    from kvgate.cli import _build_parser
+
+    for args in (one["args"], c["args"]):
+        parsed = _build_parser().parse_args(["serve", *args])
+        assert parsed.log_level == "INFO" and parsed.processes == (3 if args is c["args"] else None)
+    assert _build_parser().parse_args(["serve", "--log-level", "debug"]).log_level == "DEBUG"  # not the default
+    assert c["resources"]["requests"] == {"cpu": "2700m", "memory": "512Mi"}
+    # The rendered kvgate.yaml is one the processes can share: start-up accepts it with --workers 3.
+    assert gateway_settings(objs, tmp_path, monkeypatch).session_store == "redis"
+    monkeypatch.setenv("KVGATE_PROCESSES", "3")
+    assert GatewaySettings().processes == 3
 
 
 def test_vllm_workers_publish_kv_events_and_use_lmcache(helm: dict[str, Any], tmp_path: Path,
