@@ -423,6 +423,7 @@ def plot(results: dict[str, dict[float, Run]], path: Path) -> None:
         axes[1].plot(rates, [x[0] for x in a], marker="o", label=name)
     for ax, what in zip(axes, ("p99", "p50"), strict=True):
         ax.axhline(ADDED_P99_TTFT_LIMIT_MS if what == "p99" else 0, color="grey", lw=0.8, ls="--")
+        ax.set_yscale("symlog", linthresh=10)  # tens of ms at low rates and seconds at saturation, one axis
         ax.set_xlabel("arrival rate (req/s, Poisson)")
         ax.set_ylabel(f"added TTFT {what} (ms, router − direct)")
         ax.grid(alpha=0.3)
