@@ -411,6 +411,7 @@ def plot(results: dict[str, dict[float, Run]], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     base = results.get(DIRECT, {})
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -424,6 +425,7 @@ def plot(results: dict[str, dict[float, Run]], path: Path) -> None:
     for ax, what in zip(axes, ("p99", "p50"), strict=True):
         ax.axhline(ADDED_P99_TTFT_LIMIT_MS if what == "p99" else 0, color="grey", lw=0.8, ls="--")
         ax.set_yscale("symlog", linthresh=10)  # tens of ms at low rates and seconds at saturation, one axis
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         ax.set_xlabel("arrival rate (req/s, Poisson)")
         ax.set_ylabel(f"added TTFT {what} (ms, router − direct)")
         ax.grid(alpha=0.3)
