@@ -348,6 +348,8 @@ def _build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--no-dynamo", action="store_true", help="skip Dynamo's replay")
     bn.add_argument("--no-peers", action="store_true", help="skip the real-process peer routers")
     bn.add_argument("--no-real", action="store_true", help="tiering: skip the real vLLM + LMCache + Redis part")
+    bn.add_argument("--loadgen", choices=["aiperf"], help="overhead: drive the routers with this outside load "
+                    "generator (installed into its own venv on first use) instead of the paired client")
     bn.add_argument("--choose", action="store_true", help="mooncake: the cost-model weight sweep on the first half "
                     "of the conversation trace (the only traffic weights are chosen on)")
 
@@ -413,9 +415,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         from kvgate.bench.data import SWE_TRAJECTORIES
 
         if args.which == "overhead":
-            from kvgate.bench import overhead
+            if args.loadgen:
+                from kvgate.bench import loadgen
 
-            overhead.run(Path(args.out), args.quick)
+                loadgen.run(Path(args.out), args.quick)
+            else:
+                from kvgate.bench import overhead
+
+                overhead.run(Path(args.out), args.quick)
         elif args.which == "tracing":
             from kvgate.bench import tracing
 

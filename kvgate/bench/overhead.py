@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -136,11 +137,11 @@ def _spawn(cmd: list[str], core: str | None, log: Path, env: dict[str, str]) -> 
                                 env={**os.environ, "PYTHONHASHSEED": "0", **env}, start_new_session=True)
 
 
-def _router_cmd(name: str, port: int, worker: str) -> tuple[list[str], str]:
-    """The command line and the readiness path of one router in front of one worker."""
+def _router_cmd(name: str, port: int, workers: Sequence[str]) -> tuple[list[str], str]:
+    """The command line and the readiness path of one router in front of ``workers``."""
     if name.startswith("kvgate"):
         return [sys.executable, "-m", "kvgate.cli", "--log-level", "WARNING", "serve", "--port", str(port),
-                "--worker", f"{worker}={MODEL}@sim"], "/ready"
+                *(a for w in workers for a in ("--worker", f"{w}={MODEL}@sim"))], "/ready"
     router, policy = name.split(" ", 1)
     from kvgate.dev.engines import engines_dir, ensure_router
 
@@ -148,7 +149,7 @@ def _router_cmd(name: str, port: int, worker: str) -> tuple[list[str], str]:
     venv = engines_dir() / f"venv-{router}"
     head = ([str(venv / "bin" / "python"), "-m", "sglang_router.launch_router"] if router == "sglang-router"
             else [str(venv / "bin" / "vllm-router")])
-    return [*head, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", worker, "--policy", policy,
+    return [*head, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers, "--policy", policy,
             "--prometheus-port", str(free_port())], "/health"
 
 
@@ -229,7 +230,7 @@ async def measure_router(name: str, rates: tuple[float, ...], seconds: float, ou
     procs = [_spawn([*sim, "--port", str(p)], "1", out / f"overhead-{tag}-sim{i}.log", env)
              for i, p in enumerate((p1, p2))]
     w1, w2, gw = f"http://127.0.0.1:{p1}", f"http://127.0.0.1:{p2}", f"http://127.0.0.1:{pg}"
-    cmd, ready = _router_cmd(name, pg, w1)
+    cmd, ready = _router_cmd(name, pg, [w1])
     router = _spawn(cmd, "0", out / f"overhead-{tag}.log", env)
     procs.append(router)
     try:
@@ -258,6 +259,20 @@ def run(out: Path = Path("bench-out"), quick: bool = False, routers: tuple[str, 
     text = (f"# kvgate bench overhead\n\nEach router pinned to {cores}, the two workers and the client on core 1; "
             "each request sent at the same instant to the router (in front of worker 1) and straight to worker 2. "
             "Percentiles as Dynamo computes them.\n\n" + table(results))
-    (out / "overhead.md").write_text(text)
+    write_section(out / "overhead.md", "paired", text)
     print(text)
     return text
+
+
+def write_section(path: Path, name: str, text: str) -> None:
+    """Put ``text`` in ``path`` as section ``name``, keeping the other sections: the paired-client run and
+    the load-generator run (``kvgate.bench.loadgen``) are separate commands writing one report."""
+    start, end = f"<!-- section:{name} -->\n", f"<!-- /section:{name} -->\n"
+    old = path.read_text() if path.exists() else ""
+    block = start + text.rstrip("\n") + "\n" + end
+    if start in old and end in old:
+        head, rest = old.split(start, 1)
+        new = head + block + rest.split(end, 1)[1]
+    else:
+        new = old + ("\n" if old else "") + block
+    path.write_text(new)
