@@ -350,6 +350,8 @@ def _build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--no-real", action="store_true", help="tiering: skip the real vLLM + LMCache + Redis part")
     bn.add_argument("--loadgen", choices=["aiperf"], help="overhead: drive the routers with this outside load "
                     "generator (installed into its own venv on first use) instead of the paired client")
+    bn.add_argument("--tiered", action="store_true", help="mooncake: only kvgate precise and the tiered fleet's rows "
+                    "(round robin + shared pool, Dynamo tier credits, kvgate with tiers, GPU and GPU + CPU bounds)")
     bn.add_argument("--choose", action="store_true", help="mooncake: the cost-model weight sweep on the first half "
                     "of the conversation trace (the only traffic weights are chosen on)")
 
@@ -461,7 +463,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(choose.run(Path(args.trace) if args.trace else mooncake.DEFAULT_TRACE))
         else:
             raise SystemExit(mooncake.run(Path(args.trace) if args.trace else mooncake.DEFAULT_TRACE, Path(args.out),
-                                          args.quick, not args.no_dynamo, not args.no_peers))
+                                          args.quick, not args.no_dynamo, not args.no_peers, tiered_only=args.tiered))
     elif args.cmd == "tune":
         _tune(args)
     elif args.cmd == "dev":
