@@ -93,11 +93,14 @@ class TierView:
     async def refresh_rates(self, urls: Sequence[str] | None = None) -> None:
         await scrape_rates(self.rates, self.client, urls if urls is not None else sorted(
             {c.url for c in self.lmcache.values()}))
-        cpu, remote = self.rates.cpu.value, self.rates.remote_gbps()
+        cpu = self.rates.cpu.value
+        if self.cost is not None:
+            self.cost.params = with_measured_rates(self.cost.params, cpu, None)
+        remote = self.rates.remote_gbps(self._cpu_gbps())
+        if self.cost is not None:
+            self.cost.params = with_measured_rates(self.cost.params, None, remote)
         self.learned.labels("cpu").set(cpu or 0.0)
         self.learned.labels("remote").set(remote or 0.0)
-        if self.cost is not None:
-            self.cost.params = with_measured_rates(self.cost.params, cpu, remote)
 
     async def tier_tokens(self, model: str, residency: Residency, tokens: Sequence[int] | None,
                           best_gpu_tokens: int, cache_salt: str | None = None) -> tuple[dict[str, int], int]:
@@ -172,7 +175,10 @@ class TierView:
                                                        "pins": c.stats.pins, "unpins": c.stats.unpins},
                 "lmcache": {w: {"up": x.breaker.up, "errors": x.breaker.errors, "prefetches": x.prefetches}
                             for w, x in self.lmcache.items()},
-                "learned_rates": self.rates.snapshot()}
+                "learned_rates": self.rates.snapshot(self._cpu_gbps())}
+
+    def _cpu_gbps(self) -> float:
+        return self.cost.params.cpu_load_gbps if self.cost is not None else self.settings.cost.cpu_load_gbps
 
     async def aclose(self) -> None:
         if self._rates_task is not None:

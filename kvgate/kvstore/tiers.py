@@ -156,7 +156,8 @@ class LMCacheControl:
         return int(body.get("found_keys", 0)), int(body.get("total_keys", 0))
 
 
-# LMCache 0.5.6's OpenTelemetry histograms (GB/s per transfer) as its Prometheus endpoint exports them.
+# LMCache 0.5.6's OpenTelemetry histograms (GB/s per transfer), exported to Prometheus as
+# ``<name>_GB_per_second_{bucket,sum,count}``.
 L1_TO_GPU = "lmcache_mp_l0_l1_load_throughput"
 L2_TO_L1 = "lmcache_mp_l2_load_throughput"
 
@@ -213,15 +214,17 @@ class TransferRates:
             if n > 0 and total > last_total:
                 ewma.add((total - last_total) / n, int(n))
 
-    def remote_gbps(self) -> float | None:
-        """L2 to the engine: through L1, both legs in series."""
-        if self.l2.value is None or self.cpu.value is None:
+    def remote_gbps(self, cpu_gbps: float) -> float | None:
+        """L2 to the engine: into L1, then L1 to the engine, in series. The second leg at the learned rate,
+        else at ``cpu_gbps`` (LMCache 0.5.6 exports no L0<->L1 samples for vLLM-CPU's KV, measured)."""
+        if self.l2.value is None:
             return None
-        return 1.0 / (1.0 / self.l2.value + 1.0 / self.cpu.value)
+        cpu = self.cpu.value or cpu_gbps
+        return 1.0 / (1.0 / self.l2.value + 1.0 / cpu)
 
-    def snapshot(self) -> dict[str, float | int | None]:
+    def snapshot(self, cpu_gbps: float) -> dict[str, float | int | None]:
         return {"cpu_load_gbps": self.cpu.value, "l2_to_l1_gbps": self.l2.value,
-                "remote_load_gbps": self.remote_gbps(), "cpu_samples": self.cpu.samples,
+                "remote_load_gbps": self.remote_gbps(cpu_gbps), "cpu_samples": self.cpu.samples,
                 "l2_samples": self.l2.samples}
 
 
