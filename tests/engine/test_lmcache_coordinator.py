@@ -25,7 +25,9 @@ from kvgate.config import GatewaySettings, WorkerConfig
 from kvgate.dev.engines import EngineSet, Proc, VllmWorker, ensure_lmcache, ensure_model, free_port, metric_total
 from kvgate.kvstore.lmcache_coordinator import LMCACHE_VERSION, CoordinatorAPIError, LMCacheCoordinator
 from kvgate.kvstore.tiers import TierResidency
+from kvgate.router.types import ConversationId
 from kvgate.serving import start_server
+from kvgate.session.controller import Reserve, Unreserve
 from tests.engine.conftest import SMALL_BLOCKS, cached, complete
 
 INSTANCE = "kvgate-lmc-a"
@@ -217,6 +219,41 @@ async def test_the_api_check_names_the_version_it_expects(fleet: Fleet, coord: L
     try:
         with pytest.raises(CoordinatorAPIError, match=LMCACHE_VERSION):
             await gw.start()
+    finally:
+        await gw.stop()
+
+
+async def test_a_granted_reservation_pins_the_chain_and_its_release_unpins_it(fleet: Fleet) -> None:
+    """The session runtime's Reserve (granted within the tenant's parked-KV budget) and Unreserve, executed on
+    a real conversation record: the chain's chunks appear in, then leave, the coordinator's pin table."""
+    app = create_app(settings(fleet))
+    gw = await start_server(app)
+    g = app.state.gateway
+    cid = ConversationId("pin-lifecycle")
+    try:
+        async with httpx.AsyncClient(timeout=300) as h:
+            msgs = [{"role": "system", "content": "You are agent 7. " + "Read the repository first. " * 40},
+                    {"role": "user", "content": "fix the failing test"}]
+            r = await h.post(gw.url + "/v1/chat/completions", headers={"x-conversation-id": cid},
+                             json={"model": MODEL, "messages": msgs, "max_tokens": 4, "temperature": 0,
+                                   "chat_template_kwargs": {"enable_thinking": False}})
+            assert r.status_code == 200, r.text
+            conv = await until(lambda: g.store.get(cid), lambda c: c is not None and c.chain is not None)
+            assert conv is not None and conv.chain is not None and len(conv.chain.tokens) >= 512
+
+            async def pinned() -> int:
+                got = (await h.get(fleet.coordinator.url + "/cache/pins",
+                                   params={"model_name": str(fleet.model)})).json()
+                return int(got["total"])
+
+            assert await pinned() == 0
+            worker = g.settings.workers[0].id
+            await g.runtime.execute(cid, conv, [Reserve(worker, len(conv.chain.tokens), g.runtime.wall() + 60, 1)])
+            n = await until(pinned, lambda n: n > 0, 10)
+            assert n == len(conv.chain.tokens) // 256, n
+            await g.runtime.execute(cid, conv, [Unreserve(worker, len(conv.chain.tokens))])
+            assert await until(pinned, lambda n: n == 0, 10) == 0
+            assert (await _tiers(h, gw.url))["coordinator"]["pins"] == 1
     finally:
         await gw.stop()
 
