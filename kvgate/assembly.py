@@ -182,7 +182,7 @@ class Gateway:
                                           {m: t.max_model_len for m, t in tokenizers.items()})
         self.turns = TurnService(settings.protocols, settings.reasoning_policy, settings.tenant_reasoning_policies,
                                  self.prompts, Limits(max_bytes=settings.max_conversation_bytes))
-        self.tiers = TierView(settings, self.client, self.clock.now, wall, m)
+        self.tiers = TierView(settings, self.client, self.clock.now, wall, m, self.cost)
         self.admission = make_admission(settings, self.pool)  # before the runtime: the budgets share its store
         budgets = None if self.admission is None else \
             TenantBudgets(self.admission.settings, self.admission.store, self.fleet)
@@ -243,6 +243,7 @@ class Gateway:
         await self.pool.check_all()  # know who is healthy before the first request
         with contextlib.suppress(Exception):  # and who the fleet ejected (advice: never a reason not to start)
             await self.pool.learn()
+        await self.tiers.start()  # a coordinator of another LMCache API stops the start here
         await learn_context(self.prompt_limits, self.client, ((w.config.model, w.config.url) for w in self.pool.all()))
         await self.subscriber.start()
         await self.subscriber.wait_synced(self.settings.kv_events_sync_timeout_s)

@@ -60,6 +60,8 @@ class WorkerTemplate(BaseModel):
     """HTTP API of the LMCache server this worker uses (multiprocess mode), for prefetches."""
     lmcache_model: str | None = None
     """The ``--model`` path the worker was started with: LMCache names its keys after it."""
+    lmcache_instance: str | None = None
+    """The ``--instance-id`` of that LMCache server, as the coordinator (``tier_coordinator_url``) names it."""
     kv_capacity_tokens: int = Field(0, ge=0)
     """GPU KV capacity in tokens, to price reservations (0: from vllm:cache_config_info, else unpriced)."""
 
@@ -285,6 +287,13 @@ class GatewaySettings(YamlSettings):
     """Tenant -> its own ``reasoning_policy``."""
     tier_redis_url: str | None = None
     """The Redis LMCache uses as L2; set to check a prompt's remote-tier residency before routing."""
+    tier_coordinator_url: str | None = None
+    """LMCache's coordinator (``lmcache coordinator``): when set, its key directory answers which tier and
+    which instance holds a prompt (the Redis probe is the fallback while it is down), prefetches go through
+    it, and a parked conversation's chain is pinned in L2. Its API is checked at start-up."""
+    tier_rates_interval_s: float | None = Field(10.0, gt=0)
+    """Scrape the workers' LMCache servers' throughput metrics this often and route with the learned
+    ``cpu_load_gbps`` / ``remote_load_gbps`` (None: the configured constants)."""
     tier_chunk_tokens: int = Field(256, gt=0)
     """LMCache's chunk size."""
     tier_probe_timeout_s: float = Field(0.05, gt=0)

@@ -83,3 +83,20 @@ async def test_a_redis_that_goes_away_reads_as_empty_and_is_used_again_when_back
             await asyncio.wait_for(srv.wait(), 10)
     finally:
         await probe.aclose()
+
+
+def test_the_coordinators_placements_read_as_prefixes_per_tier_and_instance() -> None:
+    from kvgate.kvstore.lmcache_coordinator import prefix_by_tier
+
+    def key(*placements: tuple[str, str]) -> dict[str, object]:
+        return {"placements": [{"instance_id": i, "tier": t} for i, t in placements]}
+
+    a1, b1, l2 = ("a", "l1"), ("b", "l1"), ("a", "l2")
+    # Chunk by chunk (LMCache 0.5.6's reply order): a's L1 holds three, b's the first only, L2 two (then a gap).
+    results = [key(a1, b1, l2), key(a1, l2), key(a1), key(l2)]
+    got = prefix_by_tier(4, results, 256)
+    assert got.l1 == {"a": 768, "b": 256} and got.l2 == 512
+    # Two keys per chunk (ranks or object groups): a chunk counts only when every one of its keys is there.
+    assert prefix_by_tier(2, [key(a1, l2), key(a1), key(a1, l2), key(a1, l2)], 256).l2 == 0
+    assert prefix_by_tier(2, [key(a1, l2), key(a1), key(a1, l2), key(a1, l2)], 256).l1 == {"a": 512}
+    assert prefix_by_tier(0, [], 256).l2 == 0 and prefix_by_tier(3, [key(a1)] * 2, 256).l1 is None

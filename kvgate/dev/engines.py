@@ -364,17 +364,42 @@ class EngineSet:
             self.startup_s[p.name] = wait_http(p, p.url + "/health", self.timeout)
         return procs
 
-    def start_lmcache(self, port: int, http_port: int, l1_gb: float = 1.0, redis_port: int = 6379) -> Proc:
+    def start_lmcache(self, port: int, http_port: int, l1_gb: float = 1.0, redis_port: int = 6379,
+                      coordinator: str | None = None, instance_id: str | None = None) -> Proc:
+        """``coordinator``: join LMCache's coordinator at that URL as ``instance_id`` and report cache events
+        to it (its key directory, L2 usage and pins need them)."""
         venv = engines_dir() / "venv-lmcache"
         l2 = {"type": "resp", "host": "127.0.0.1", "port": redis_port, "num_workers": 2}
         args = [str(venv / "bin" / "lmcache"), "server", "--host", "127.0.0.1", "--port", str(port),
                 "--chunk-size", "256", "--l1-size-gb", str(l1_gb), "--eviction-policy", "LRU",
                 "--http-host", "127.0.0.1", "--http-port", str(http_port), "--max-workers", "2",
                 "--supported-transfer-mode", "auto", "--l2-adapter", json.dumps(l2)]
+        if instance_id:
+            args += ["--instance-id", instance_id]
+        if coordinator:
+            # The coordinator calls back (prefetch, L2 eviction) at the advertised address: by default a
+            # host interface's, which a loopback-bound server does not answer on.
+            args += ["--coordinator-url", coordinator, "--coordinator-advertise-ip", "127.0.0.1",
+                     "--coordinator-event-reporting", "--coordinator-event-flush-interval", "0.2",
+                     "--coordinator-heartbeat-interval", "2", "--no-separate-object-groups",
+                     "--prometheus-port", str(free_port())]
         p = spawn(f"lmcache-{port}", args, self._vllm_env(0), self.run_dir)
         p.url = f"http://127.0.0.1:{http_port}"
         self.procs.append(p)
         self.startup_s[p.name] = wait_http(p, p.url + "/healthcheck", self.timeout)
+        return p
+
+    def start_coordinator(self, port: int, eviction_check_s: float = 1.0) -> Proc:
+        """LMCache's coordinator (key directory, prefetch dispatch, L2 pins and quota eviction); its chunk
+        size and hash algorithm are the servers' (``start_lmcache``: 256, blake3)."""
+        venv = engines_dir() / "venv-lmcache"
+        args = [str(venv / "bin" / "lmcache"), "coordinator", "--host", "127.0.0.1", "--port", str(port),
+                "--chunk-size", "256", "--hash-algorithm", "blake3",
+                "--eviction-check-interval", str(eviction_check_s)]
+        p = spawn(f"lmcache-coordinator-{port}", args, self._vllm_env(0), self.run_dir)
+        p.url = f"http://127.0.0.1:{port}"
+        self.procs.append(p)
+        self.startup_s[p.name] = wait_http(p, p.url + "/healthz", self.timeout)
         return p
 
     def start_router(self, name: str, args: Sequence[str], port: int) -> Proc:

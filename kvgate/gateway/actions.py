@@ -1,5 +1,5 @@
 """The I/O behind the session controller's commands (``gateway/runtime.py``'s ``Actions``): the worker
-pool's reservation view and load, LMCache prefetch, the next turn's prefix, and background prefill
+pool's reservation view and load, LMCache prefetch and L2 pins, the next turn's prefix, and background prefill
 requests."""
 
 from __future__ import annotations
@@ -45,6 +45,13 @@ class GatewayActions:
             return False
         return await self.tiers.prefetch(conv.model, worker, conv.chain.tokens,
                                          tenant_salt(self.settings.auth, conv.tenant))
+
+    async def pin(self, conv: Conversation, *, unpin: bool = False) -> bool:
+        """Pin (unpin) the conversation's cached chain in LMCache's L2, under the tenant's salt."""
+        if conv.chain is None:
+            return False
+        return await self.tiers.pin(conv.model, conv.chain.tokens, tenant_salt(self.settings.auth, conv.tenant),
+                                    unpin=unpin)
 
     async def next_prefix(self, conv: Conversation) -> tuple[int, list[int]] | None:
         if conv.chain is None:

@@ -70,6 +70,10 @@ class Actions(Protocol):
 
     async def prefetch(self, conv: Conversation, worker: WorkerId) -> bool: ...
 
+    async def pin(self, conv: Conversation, *, unpin: bool = False) -> bool:
+        """Pin (unpin) the conversation's chain in the L2 tier (False: no tier to pin in, or it failed)."""
+        ...
+
     async def next_prefix(self, conv: Conversation) -> tuple[int, list[int]] | None:
         """(divergence from the cached chain, the next turn's prefix tokens), None without a tokenizer."""
         ...
@@ -151,6 +155,9 @@ class SessionRuntime:
         elif isinstance(cmd, Unreserve):
             await self.fleet.unreserve(cmd.worker, cid, tenant=conv.tenant if conv is not None else "")
             self.actions.reserve_locally(cmd.worker, -cmd.tokens)
+            if conv is not None:  # the chain is the one pinned with the reservation: the record's, until
+                # the next request completes
+                self.spawn(self.actions.pin(conv, unpin=True), f"unpin:{cid}")
         elif isinstance(cmd, CancelPrefill):
             task = self._prefills.pop((cid, cmd.token), None)
             if task is not None:
@@ -166,6 +173,8 @@ class SessionRuntime:
         if await self.fleet.reserve(cmd.worker, cid, cmd.tokens, cmd.until, tenant=tenant, now=self.wall(),
                                     budget=budget):
             self.actions.reserve_locally(cmd.worker, cmd.tokens)
+            if conv is not None:  # granted within the tenant's parked-KV budget: so is the L2 pin beside it
+                self.spawn(self.actions.pin(conv), f"pin:{cid}")
             return
         # Another replica took the tenant's remaining room since the controller planned: the record drops
         # the reservation (no Unreserve follows: neither the store nor the worker view holds it).

@@ -105,6 +105,15 @@ class CostParams(BaseModel):
 
 
 
+def with_measured_rates(params: CostParams, cpu_load_gbps: float | None, remote_load_gbps: float | None
+                        ) -> CostParams:
+    """``params`` with the tier load rates measured on the fleet (``kvstore/tiers.TransferRates``) in place
+    of the configured ones; a rate not measured yet keeps its value."""
+    update = {k: v for k, v in (("cpu_load_gbps", cpu_load_gbps), ("remote_load_gbps", remote_load_gbps))
+              if v is not None and v > 0}
+    return params.model_copy(update=update) if update else params
+
+
 class CostModel:
     name = "cost_model"
 
