@@ -21,6 +21,16 @@ def test_extension_loses_only_the_partial_block() -> None:
     assert (loss.reusable, loss.best, loss.cause) == (100, 96, "block_alignment") and loss.lost == 4
 
 
+def test_a_reply_ending_on_a_block_boundary_loses_its_last_block_to_alignment_not_the_cache() -> None:
+    """The engine holds KV for all but the last token it generated: a 96-token chain is cached as 80."""
+    loss = explain_prompt(chain(96), chain(96) + [7] * 50, 16, [S, U1, A1], [S, U1, A1, U2], computed=95)
+    assert (loss.reusable, loss.best, loss.cause) == (95, 80, "block_alignment")
+    # What the worker then reports cached (80) is all of the best: nothing is left for "evicted".
+    assert explain_cache(loss.best, 80, 80, 80) == (0, None)
+    unbounded = explain_prompt(chain(96), chain(96) + [7] * 50, 16, [S, U1, A1], [S, U1, A1, U2])
+    assert unbounded.best == 96 and explain_cache(unbounded.best, 80, 80, 80) == (16, "evicted")
+
+
 def test_divergence_is_attributed_to_the_first_changed_message() -> None:
     prompt = chain(40) + [999] * 80
     cases: list[tuple[list[dict[str, Any]], str]] = [

@@ -73,13 +73,16 @@ def message_at(starts: Sequence[int], token: int) -> int:
 def explain_prompt(chain: Sequence[int], prompt: Sequence[int], block_size: int,
                    chain_messages: Sequence[Mapping[str, Any]], messages: Sequence[Mapping[str, Any]],
                    policy_changed: Sequence[int] = (), starts: Sequence[int] | None = None,
-                   rendered_chain: Sequence[int] | None = None) -> PromptLoss:
+                   rendered_chain: Sequence[int] | None = None, computed: int | None = None) -> PromptLoss:
     """The loss of ``prompt`` against the previous ``chain``.
 
     ``starts`` maps the new prompt's tokens to ``messages`` (see ``message_at``); without it the first
     message whose content differs is named. ``rendered_chain`` is the chain as the template renders it
-    (the previous history plus the reply) when ``chain`` holds the tokens the engine generated."""
-    reusable = min(len(chain), max(0, len(prompt) - 1))
+    (the previous history plus the reply) when ``chain`` holds the tokens the engine generated.
+    ``computed``: how many of the chain's tokens the engine holds KV for — its prompt and all it
+    generated but the last token, whose KV no engine computes. A reply ending on a block boundary
+    leaves that block incomplete: its tokens are partial-block loss, not a cache miss."""
+    reusable = min(len(chain), max(0, len(prompt) - 1), len(chain) if computed is None else max(0, computed))
     lcp = min(common_prefix(chain, prompt), reusable)
     best = (lcp // block_size) * block_size
     if best >= reusable:
