@@ -5,6 +5,10 @@ pieces that tokenize on their own:
 
 - A known conversation: the new prompt shares its text with the conversation's chain up to some
   character; only the text from the last added token before it is tokenized again.
+- A known conversation's turn that appends a long new text (a tool's output): routing needs only the
+  conversation's chain and the first block the new text opens (the one block past the chain that some
+  worker could hold: a retried turn still in flight); ``head`` tokenizes just that far, and the rest is
+  tokenized once the request is on its way (``PromptBuilder.complete``).
 - A long text (a cold conversation, or a large new message): the pieces are tokenized in growing batches
   beside the event loop (``tokenizers`` releases the GIL and encodes a batch on every core), and after
   each batch the caller may stop: routing needs the prompt's block hashes only as far as some worker
@@ -29,6 +33,16 @@ INLINE_CHARS = 16_384
 """Text up to this long is tokenized on the event loop (well under a millisecond)."""
 FIRST_BATCH_CHARS = 8_192
 """A long text's first batch; each next one is four times larger."""
+
+DEFER_CHARS = 2_048
+"""A known conversation's new text longer than this is left for after routing (``head``); a shorter one
+costs less to tokenize (~0.1 ms) than the second pass would."""
+REST_CHARS = 8_192
+"""``head`` only when the texts differ no earlier than this before the end of the conversation's chain
+(within its last reply): an earlier change leaves nothing to save."""
+HEAD_SLACK_CHARS = 64
+"""Tokens starting this close to the end of a probed window are not trusted: the window's cut may change
+how the last words split."""
 
 Stop = Callable[[Chain], bool]
 """Given the chain so far, True when routing has what it needs."""
@@ -68,6 +82,32 @@ class ChainTokenizer:
                 return chain, k, False
             budget *= 4
         return chain, k, True
+
+    def head(self, prev: Chain | None, text: str, block_size: int) -> Chain | None:
+        """The chain of a prefix of ``text`` covering what it shares with ``prev``, the rest of ``prev``'s
+        last message as ``text`` renders it and the first block past ``prev``'s tokens, when ``text``
+        continues ``prev`` with more than ``DEFER_CHARS`` new characters; None otherwise (the caller
+        tokenizes the whole text). Only the end of ``prev`` may differ (a template that renders the last
+        reply otherwise once the conversation moved on): the loss explanation then finds the same first
+        difference in the head as in the whole prompt. The new text is probed in a window encoded twice at
+        two lengths: only tokens both agree on, away from the cut, are kept."""
+        if prev is None or not prev.text:
+            return None
+        base, k, split = self._base(prev, text)
+        rest = len(prev.text) - split  # prev's text past the last anchor kept: its last message's end
+        if k is None or len(text) - split <= DEFER_CHARS or rest > REST_CHARS:
+            return None
+        want = max((k // block_size + 1) * block_size, len(prev.tokens) + 2) - k
+        end = split + max(2 * rest, 8 * want) + 4 * HEAD_SLACK_CHARS
+        if end + 4 * HEAD_SLACK_CHARS >= len(text):
+            return None
+        ids, starts = self.tok.encode_with_starts(text[split:end])
+        again, _ = self.tok.encode_with_starts(text[split:end + 4 * HEAD_SLACK_CHARS])
+        n = bisect.bisect_left(starts, end - split - HEAD_SLACK_CHARS) - 1
+        if n < want or ids[:n] != again[:n]:
+            return None
+        self.retokenized_chars += end - split
+        return self._append(base, text, split, [text[split:split + starts[n]]], [(ids[:n], starts[:n])])
 
     def chain_sync(self, prev: Chain | None, text: str) -> tuple[Chain, int | None]:
         """The whole of ``text`` as a chain, on the calling thread (the turn's chain, built off the loop)."""
