@@ -171,3 +171,23 @@ async def test_a_long_new_text_is_routed_on_its_head_and_completed_after(tokeniz
     quick = await b.prepare("m", "chat", {"model": "m", "messages": short, "tools": TOOLS}, chain,
                             held=lambda spec, block: block in nothing, defer=True)
     assert quick.complete and (quick.length, quick.hashes) == expected(tokenizer, short)
+
+
+def test_anchors_from_the_added_tokens_strings_equal_those_from_every_tokens_offset(tokenizer: ChatTokenizer) -> None:
+    from kvgate.gateway.chaintok import ChainTokenizer
+
+    fast, slow = ChainTokenizer(tokenizer), ChainTokenizer(tokenizer)
+    slow._anchored = False
+    assert fast._anchored  # the tiny model's added tokens are plain
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "sys <think> not a tag" * 3},
+                                  {"role": "user", "content": "Ünïcode ✓ " * 40 + "<|im_end|> inside text"},
+                                  {"role": "assistant", "content": "", "reasoning": "hm",
+                                   "tool_calls": [{"id": "c", "type": "function",
+                                                   "function": {"name": "search", "arguments": '{"q": 1}'}}]},
+                                  {"role": "tool", "tool_call_id": "c", "content": "out " * 300}]
+    text = tokenizer.render_chat(msgs, TOOLS)
+    for release in (False, True):
+        a, b = fast._whole(fast._base(None, text)[0], text, 0, release), slow._whole(slow._base(None, text)[0], text, 0)
+        assert (list(a.tokens), list(a.anchor_chars), list(a.anchor_tokens)) == \
+            (list(b.tokens), list(b.anchor_chars), list(b.anchor_tokens))
+        assert list(a.tokens) == tokenizer.encode(text) and len(a.anchor_chars) > 8

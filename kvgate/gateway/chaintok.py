@@ -44,6 +44,8 @@ HEAD_SLACK_CHARS = 64
 """Tokens starting this close to the end of a probed window are not trusted: the window's cut may change
 how the last words split."""
 
+Encoded = tuple[list[int], list[int], list[int]]
+"""A piece encoded: its token ids, and the character offset and token index of each added token in it."""
 Stop = Callable[[Chain], bool]
 """Given the chain so far, True when routing has what it needs."""
 
@@ -56,6 +58,8 @@ class ChainTokenizer:
         self.added = frozenset(i for t in tok.special_tokens if (i := tok.token_to_id(t)) is not None)
         tokens = sorted(tok.special_tokens, key=len, reverse=True)
         self._split = re.compile("|".join(re.escape(t) for t in tokens)) if tokens else None
+        self._anchored = self._split is not None and tok.plain_added_tokens()
+        """Anchors found as the added tokens' strings, not from every token's offset."""
         self.retokenized_chars = 0
 
     async def chain(self, prev: Chain | None, text: str, stop: Stop | None = None
@@ -107,16 +111,19 @@ class ChainTokenizer:
         if n < want or ids[:n] != again[:n]:
             return None
         self.retokenized_chars += end - split
-        return self._append(base, text, split, [text[split:split + starts[n]]], [(ids[:n], starts[:n])])
+        kept = [j for j in range(n) if ids[j] in self.added]
+        return self._append(base, text, split, [text[split:split + starts[n]]],
+                            [(ids[:n], [starts[j] for j in kept], kept)])
 
     def chain_sync(self, prev: Chain | None, text: str) -> tuple[Chain, int | None]:
-        """The whole of ``text`` as a chain, on the calling thread (the turn's chain, built off the loop)."""
+        """The whole of ``text`` as a chain, on the calling thread (the turn's chain, built off the loop:
+        encoded without the GIL)."""
         base, k, split = self._base(prev, text)
         self.retokenized_chars += len(text) - split
-        return self._whole(base, text, split), k
+        return self._whole(base, text, split, release_gil=True), k
 
-    def _whole(self, base: Chain, text: str, split: int) -> Chain:
-        return self._append(base, text, split, [text[split:]], [self.tok.encode_with_starts(text[split:])])
+    def _whole(self, base: Chain, text: str, split: int, release_gil: bool = False) -> Chain:
+        return self._append(base, text, split, [text[split:]], self._encode([text[split:]], release_gil))
 
     def _base(self, prev: Chain | None, text: str) -> tuple[Chain, int | None, int]:
         """What of ``prev`` stays valid for ``text``: its tokens up to the last added token (an anchor)
@@ -137,21 +144,36 @@ class ChainTokenizer:
         bounds = [start, *(c for c in cuts if c > start), len(text)]
         return [text[a:b] for a, b in itertools.pairwise(bounds) if b > a]
 
-    def _encode_batch(self, pieces: list[str]) -> list[tuple[list[int], list[int]]]:
-        return self.tok.encode_batch_with_starts(pieces)
+    def _encode_batch(self, pieces: list[str]) -> list[Encoded]:
+        return self._encode(pieces, release_gil=True)
 
-    def _append(self, chain: Chain, text: str, at: int, pieces: list[str],
-                encoded: list[tuple[list[int], list[int]]]) -> Chain:
+    def _encode(self, pieces: list[str], release_gil: bool) -> list[Encoded]:
+        """Per piece: its ids, and the character offset and token index of each added token in it."""
+        if self._anchored:
+            assert self._split is not None
+            chars = [[m.start() for m in self._split.finditer(p)] for p in pieces]
+            got = self.tok.encode_anchored(pieces, chars, release_gil)
+            out: list[Encoded] = []
+            for (ids, toks), cs in zip(got, chars, strict=True):
+                if not all(t is not None and ids[t] in self.added for t in toks):
+                    break  # an added token's string not tokenized as it: read every token's offset
+                out.append((ids, cs, [t for t in toks if t is not None]))
+            else:
+                return out
+        encoded = (self.tok.encode_batch_with_starts(pieces) if release_gil or len(pieces) != 1
+                   else [self.tok.encode_with_starts(pieces[0])])
+        return [(ids, [starts[j] for j, t in enumerate(ids) if t in self.added],
+                 [j for j, t in enumerate(ids) if t in self.added]) for ids, starts in encoded]
+
+    def _append(self, chain: Chain, text: str, at: int, pieces: list[str], encoded: list[Encoded]) -> Chain:
         """``chain`` (the chain of ``text[:at]``) extended with the encoded ``pieces`` that follow."""
         tokens = array("I", chain.tokens)
         chars, toks = array("I", chain.anchor_chars), array("I", chain.anchor_tokens)
         pos = at
-        for piece, (ids, starts) in zip(pieces, encoded, strict=True):
+        for piece, (ids, anchor_chars, anchor_tokens) in zip(pieces, encoded, strict=True):
             t0 = len(tokens)
-            for j, t in enumerate(ids):
-                if t in self.added:
-                    chars.append(pos + starts[j])
-                    toks.append(t0 + j)
+            chars.extend(pos + c for c in anchor_chars)
+            toks.extend(t0 + j for j in anchor_tokens)
             tokens.extend(ids)
             pos += len(piece)
         return Chain(text[:pos], tokens, chars, toks, hashes=dict(chain.hashes))
