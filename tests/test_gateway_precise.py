@@ -14,8 +14,8 @@ from tests.conftest import MODEL, Cluster
 from tests.test_gateway import TOOLS, client, eventually, metric
 
 
-async def agent_turns(c: Cluster, conv: str, steps: int, system: str = "You are an agent. " * 60
-                      ) -> list[tuple[str, str, int, int, int]]:
+async def agent_turns(c: Cluster, conv: str, steps: int, system: str = "You are an agent. " * 60,
+                      result_words: int = 80) -> list[tuple[str, str, int, int, int]]:
     """(worker, reason, prompt, cached, expected) per step of an agent loop."""
     oc = client(c)
     msgs: list[dict[str, Any]] = [{"role": "system", "content": system}, {"role": "user", "content": f"task {conv}"}]
@@ -27,7 +27,7 @@ async def agent_turns(c: Cluster, conv: str, steps: int, system: str = "You are 
         r = raw.parse()
         m = r.choices[0].message
         msgs.append(m.model_dump(exclude_none=True))
-        msgs.append({"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": f"result {i} " * 80})  # type: ignore[index]
+        msgs.append({"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": f"result {i} " * result_words})  # type: ignore[index]
         assert r.usage is not None and r.usage.prompt_tokens_details is not None
         out.append((raw.headers["x-kvgate-worker"], raw.headers["x-kvgate-route-reason"], r.usage.prompt_tokens,
                     r.usage.prompt_tokens_details.cached_tokens or 0,
@@ -47,6 +47,19 @@ async def test_precise_mode_follows_the_cache_and_predicts_it_exactly(make_clust
     assert await metric(c, "kvgate_kv_events_applied_total") > 0
     # Counted in tokens, and the local count is the worker's.
     assert await metric(c, "kvgate_routed_prompt_tokens_total", tokenizer="local") == sum(t[2] for t in turns)
+
+
+async def test_long_tool_outputs_routed_before_they_are_tokenized_are_predicted_exactly(make_cluster: Any) -> None:
+    # Each tool output (~2,700 characters) is new text no worker can hold: the turn is routed on the
+    # conversation's chain and the output's first block, and tokenized whole after it is sent; the turn's
+    # chain, and so the next turn's prediction, is built from the whole prompt.
+    c = await make_cluster(2, events=True)
+    await eventually(lambda: len(c.gateway.prefix.events.workers()) == 2)
+    turns = await agent_turns(c, "long1", 3, result_words=270, system="You are an agent. " * 20)
+    assert len({t[0] for t in turns}) == 1
+    assert all(t[3] == t[4] for t in turns[1:]) and turns[-1][4] > turns[1][4] > 0, turns
+    assert await metric(c, "kvgate_routed_prompt_tokens_total", tokenizer="local") == sum(t[2] for t in turns)
+    assert c.gateway.prompts.deferred == 2  # the second and third turns
 
 
 @pytest.mark.skipif(os.environ.get("KVGATE_TEST_SIM_ENGINE") == "sglang",

@@ -127,3 +127,67 @@ async def test_a_long_prompt_without_a_chain_is_tokenized_only_as_far_as_some_wo
     chain = b.chain_for("m", [*msgs, reply], TOOLS, cold.chain)
     assert chain is not None
     assert list(chain.tokens) == tokenizer.encode(tokenizer.render_chat([*msgs, reply], TOOLS, False).rstrip("\n"))
+
+
+async def test_a_long_new_text_is_routed_on_its_head_and_completed_after(tokenizer: ChatTokenizer) -> None:
+    """A known conversation's turn that appends a long tool output: tokenized only up to the first block
+    past the conversation's chain before routing, and to the same tokens and hashes as from scratch after."""
+    b = builder(tokenizer)
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "system " * 100},
+                                  {"role": "user", "content": "look around"}]
+    first = await b.prepare("m", "chat", {"model": "m", "messages": msgs, "tools": TOOLS}, None)
+    reply = {"role": "assistant", "content": "I will look."}
+    chain = b.chain_for("m", [*msgs, reply], TOOLS, first.chain)
+    assert chain is not None
+    nxt = [*msgs, reply, {"role": "user", "content": "tool output: " + "line of text 42\n" * 800}]
+    body = {"model": "m", "messages": nxt, "tools": TOOLS}
+    full_len, full_hashes = expected(tokenizer, nxt)
+    nothing: set[int] = set()
+
+    head = await b.prepare("m", "chat", body, chain, held=lambda spec, block: block in nothing, defer=True)
+    assert not head.complete and head.text is not None and head.tokens is not None
+    assert len(chain.tokens) < len(head.tokens) < len(chain.tokens) + 200  # the chain and one block, not 8,000
+    assert head.hashes[SPEC] == full_hashes[SPEC][: len(head.hashes[SPEC])]
+    assert list(head.tokens) == tokenizer.encode_chat(nxt, TOOLS)[: len(head.tokens)]
+    assert abs(head.length - full_len) < full_len * 0.5  # the rest estimated (load only)
+    whole = b.complete("m", head, None)
+    assert whole.complete and whole.text is None and (whole.length, whole.hashes) == (full_len, full_hashes)
+
+    # A worker holds the head's last block (the same turn, still in flight there): tokenized whole now.
+    held = set(full_hashes[SPEC])
+    now = await b.prepare("m", "chat", body, chain, held=lambda spec, block: block in held, defer=True)
+    assert now.complete and now.text is None and (now.length, now.hashes) == (full_len, full_hashes)
+    # The rest might exceed a context limit (counted in bytes, a token's least): checked on exact tokens,
+    # so tokenized whole now; under it, deferred.
+    rest_bytes = len(head.text or "") and len(head.text) - len(head.chain.text if head.chain else "")
+    limited = await b.prepare("m", "chat", body, chain, held=lambda spec, block: block in nothing, defer=True,
+                              token_limit=len(head.tokens) + rest_bytes)
+    assert limited.complete and limited.length == full_len
+    roomy = await b.prepare("m", "chat", body, chain, held=lambda spec, block: block in nothing, defer=True,
+                            token_limit=len(head.tokens) + rest_bytes + 1)
+    assert not roomy.complete
+    # A short new text: tokenized at once (cheaper than a second pass).
+    short = [*msgs, reply, {"role": "user", "content": "ok"}]
+    quick = await b.prepare("m", "chat", {"model": "m", "messages": short, "tools": TOOLS}, chain,
+                            held=lambda spec, block: block in nothing, defer=True)
+    assert quick.complete and (quick.length, quick.hashes) == expected(tokenizer, short)
+
+
+def test_anchors_from_the_added_tokens_strings_equal_those_from_every_tokens_offset(tokenizer: ChatTokenizer) -> None:
+    from kvgate.gateway.chaintok import ChainTokenizer
+
+    fast, slow = ChainTokenizer(tokenizer), ChainTokenizer(tokenizer)
+    slow._anchored = False
+    assert fast._anchored  # the tiny model's added tokens are plain
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "sys <think> not a tag" * 3},
+                                  {"role": "user", "content": "Ünïcode ✓ " * 40 + "<|im_end|> inside text"},
+                                  {"role": "assistant", "content": "", "reasoning": "hm",
+                                   "tool_calls": [{"id": "c", "type": "function",
+                                                   "function": {"name": "search", "arguments": '{"q": 1}'}}]},
+                                  {"role": "tool", "tool_call_id": "c", "content": "out " * 300}]
+    text = tokenizer.render_chat(msgs, TOOLS)
+    for release in (False, True):
+        a, b = fast._whole(fast._base(None, text)[0], text, 0, release), slow._whole(slow._base(None, text)[0], text, 0)
+        assert (list(a.tokens), list(a.anchor_chars), list(a.anchor_tokens)) == \
+            (list(b.tokens), list(b.anchor_chars), list(b.anchor_tokens))
+        assert list(a.tokens) == tokenizer.encode(text) and len(a.anchor_chars) > 8

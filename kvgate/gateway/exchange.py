@@ -4,6 +4,7 @@ worker that accepted it, up to the record of its outcome."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -95,6 +96,11 @@ class Prepared:
     store_response: bool = True
     """The reply's response id is recorded for ``previous_response_id`` (chat's ``store: false``: not, so
     nothing can continue from it; the conversation's routing state is kept as for any request)."""
+    finish_prompt: Callable[[], Prompt] | None = None
+    """The prompt tokenized whole (``prompt`` holds only as much as routing needed): run off the event
+    loop once the request is sent, into ``prompt_task``."""
+    prompt_task: asyncio.Future[None] | None = None
+    """``finish_prompt`` running; the record awaits it (the turn's chain is built from the whole prompt)."""
 
 
 @dataclass(slots=True)

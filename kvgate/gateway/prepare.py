@@ -123,18 +123,20 @@ class Preparer:
             body = await translate(body)
         return await self.prepare_body(body, request.headers, endpoint, trace=trace, principal=principal,
                                        admit=self.admission is not None,
-                                       guard=lambda aw: until_disconnect(request, aw))
+                                       guard=lambda aw: until_disconnect(request, aw), defer=True)
 
     async def prepare_body(self, body: dict[str, Any], headers: Mapping[str, str], endpoint: Endpoint, *,
                            act: bool = True, trace: RequestTrace = OFF, principal: Principal | None = None,
-                           admit: bool = False, guard: Guard | None = None) -> Prepared:
+                           admit: bool = False, guard: Guard | None = None, defer: bool = False) -> Prepared:
         """A parsed request body and its headers, prepared (the HTTP front, the endpoint picker and the
         control API's "where would this go" share it). ``act``: run the session controller's arrival
         commands (False for a question that sends nothing). ``principal``: the authenticated caller; with
         auth on, its tenant replaces the tenant header and its salt goes into the body. ``admit``: hold the
         request to its tenant's quota and a fleet slot (the HTTP front with admission on); the ticket in
         the result must be released when the request ends. ``guard``: wraps the wait for a slot (the HTTP
-        front gives up on it when the client disconnects)."""
+        front gives up on it when the client disconnects). ``defer``: a long new text appended to the
+        conversation may be tokenized after routing (the caller runs ``Prepared.finish_prompt`` once the
+        request is sent: the HTTP front's ``Sender``)."""
         gate = self.admission if admit else None
         priority = gate.priority(headers) if gate is not None else None  # a bad header: 400 at once
         msgs = body.get("messages")
@@ -162,7 +164,7 @@ class Preparer:
             ticket = await (guard(admitted) if guard is not None else admitted)
         try:
             return await self._prepared(body, headers, endpoint, act, trace, principal, model, ident, salt, ticket,
-                                        priority)
+                                        priority, defer)
         except BaseException:
             if ticket is not None:
                 ticket.release()
@@ -170,7 +172,8 @@ class Preparer:
 
     async def _prepared(self, body: dict[str, Any], headers: Mapping[str, str], endpoint: Endpoint, act: bool,
                         trace: RequestTrace, principal: Principal | None, model: str, ident: identity.Identity,
-                        salt: str | None, ticket: Ticket | None, priority: Priority | None) -> Prepared:
+                        salt: str | None, ticket: Ticket | None, priority: Priority | None, defer: bool = False
+                        ) -> Prepared:
         conv, ident, body = await self._conversation(ident, body, endpoint)
         turn = None
         if endpoint == "chat":
@@ -178,17 +181,22 @@ class Preparer:
             turn, body = self._canonical(headers, body, ident, conv, model)
         trace.mark("tokenize")
         chain = conv.chain if conv is not None else None
-        held = self.held_for(model) if self.held_for and chain is None and not self.settings.tier_redis_url else None
-        prompt = await self.prompts.prepare(model, endpoint, body, chain, held)
+        # Not with a remote tier to ask: its lookup reads the whole prompt's tokens.
+        held = self.held_for(model) if self.held_for and not self.settings.tier_redis_url else None
+        prompt = await self.prompts.prepare(model, endpoint, body, chain, held, defer and endpoint == "chat",
+                                            self.limits.limit(model) if self.limits is not None else None)
         if self.limits is not None and prompt.source != "estimate":
             # Exact when complete; a prefix (tokenizing stopped early) is still a lower bound.
             self.limits.check_tokens(model, prompt.length if prompt.complete else len(prompt.tokens or ()))
-        self.metrics.count_routed_prompt_tokens(model, prompt.source, prompt.length)
+        if prompt.text is None:  # else counted once tokenized whole (``_finisher``)
+            self.metrics.count_routed_prompt_tokens(model, prompt.source, prompt.length)
         if ticket is not None and priority is not None:
             ticket.prompt(prompt.length)
             body = self._worker_priority(body, model, priority)
         prepared = self._finish(body, headers, endpoint, act, trace, principal, model, ident, conv, turn, prompt,
                                 salt, ticket)
+        if prompt.text is not None:
+            prepared.finish_prompt = self._finisher(model, prompt, body.get("cache_salt"))
         if conv is None and ident.parent is not None:
             parent = await self._load(ident.parent)
             prepared.parent_home = parent.home if parent is not None and parent.tenant == ident.tenant else None
@@ -221,6 +229,15 @@ class Preparer:
         show = not auth.enabled or salt is not None or (principal is not None and principal.operator)
         return Prepared(endpoint, model, ident, conv, prompt, payload, fwd, stream, hide, arrival, now,
                         user_turn, turn, task, trace, show, salt, ticket, store_response=body.get("store") is not False)
+
+    def _finisher(self, model: str, prompt: Prompt, salt: Any) -> Callable[[], Prompt]:
+        """``prompt`` tokenized whole, for a thread once the request is sent."""
+        def finish() -> Prompt:
+            whole = self.prompts.complete(model, prompt, salt if isinstance(salt, str) else None)
+            self.metrics.count_routed_prompt_tokens(model, whole.source, whole.length)
+            return whole
+
+        return finish
 
     def _worker_priority(self, body: dict[str, Any], model: str, priority: str) -> dict[str, Any]:
         """The request's class as vLLM's ``priority`` (lower first; SGLang: higher first), when configured and

@@ -70,6 +70,9 @@ class Prompt:
     completed turn's chain is tokenized incrementally from it."""
     complete: bool = True
     """False when tokenization stopped where no worker holds the blocks: ``tokens`` is a prefix."""
+    text: str | None = None
+    """The whole rendered prompt when ``tokens`` is a prefix of it: ``complete`` tokenizes the rest once
+    the request is sent."""
 
 
 def tokenize_body(endpoint: str, body: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -93,6 +96,7 @@ class _Tokens:
     complete: bool = True
     rest_chars: int = 0
     """Characters of the rendered text not tokenized (``complete`` False)."""
+    text: str | None = None
 
 
 class PromptBuilder:
@@ -107,6 +111,8 @@ class PromptBuilder:
         self.mode: dict[str, Source] = {m: "local" for m in self._tok}
         """Models tokenized locally; any other model (or one that failed the parity probe) by a worker."""
         self.parity_failures: dict[str, int] = {}
+        self.deferred = 0
+        """Prompts routed on their head, the rest tokenized after sending (``ChainTokenizer.head``)."""
 
     @property
     def retokenized_chars(self) -> int:
@@ -153,26 +159,44 @@ class PromptBuilder:
 
     # -- per request -------------------------------------------------------------------------------
     async def prepare(self, model: str, endpoint: str, body: Mapping[str, Any], chain: Chain | None,
-                      held: Held | None = None) -> Prompt:
+                      held: Held | None = None, defer: bool = False, token_limit: int | None = None) -> Prompt:
         """The request's prompt, tokenized and hashed incrementally against the conversation's ``chain``.
-        ``held``: when given, a long text is tokenized only as far as some worker holds its blocks."""
+        ``held``: when given, a long text is tokenized only as far as some worker holds its blocks.
+        ``defer`` (with ``held``): a long new text appended to ``chain`` is tokenized only as far as its
+        first block, unless some worker holds that block; the result's ``text`` is then set and the caller
+        completes the prompt (``complete``) after routing. Not for a prompt that may exceed ``token_limit``:
+        that is checked on exact tokens, before sending."""
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-        got = await self._tokens(model, endpoint, body, chain, self._stop(model, salt, held) if held else None)
+        stop = self._stop(model, salt, held) if held else None
+        got = await self._tokens(model, endpoint, body, chain, stop, defer, token_limit)
         if got.tokens is None:
             return Prompt(_estimate(body), {}, "estimate")
         work = got.chain or Chain("", got.tokens, array("I"), array("I"))
-        out: dict[HashSpec, tuple[int, ...]] = {}
-        reused = 0
-        for spec in self._specs(model):
-            ints, kept = self._hash(spec, salt, work)
-            if ints is not None:
-                out[spec] = tuple(ints)
-                reused += kept
+        out, reused = self._hash_all(model, salt, work)
         length = len(got.tokens)
         if not got.complete and got.rest_chars:
             # The rest at the rate of what was tokenized: load estimates only, the cache match is exact.
             length += round(got.rest_chars * len(got.tokens) / max(1, len(work.text)))
-        return Prompt(length, out, got.source, reused, got.tokens, got.chain, got.complete)
+        return Prompt(length, out, got.source, reused, got.tokens, got.chain, got.complete, got.text)
+
+    def complete(self, model: str, prompt: Prompt, salt: str | None) -> Prompt:
+        """``prompt`` (its ``text`` tokenized only in part) tokenized and hashed whole, on the calling
+        thread; the blocks already hashed carry over."""
+        if prompt.text is None or prompt.chain is None:
+            return prompt
+        chain, _ = self._chains[model].chain_sync(prompt.chain, prompt.text)
+        out, reused = self._hash_all(model, salt, chain)
+        return Prompt(len(chain.tokens), out, prompt.source, reused, chain.tokens, chain)
+
+    def _hash_all(self, model: str, salt: str | None, chain: Chain) -> tuple[dict[HashSpec, tuple[int, ...]], int]:
+        out: dict[HashSpec, tuple[int, ...]] = {}
+        reused = 0
+        for spec in self._specs(model):
+            ints, kept = self._hash(spec, salt, chain)
+            if ints is not None:
+                out[spec] = tuple(ints)
+                reused += kept
+        return out, reused
 
     def _hash(self, spec: HashSpec, salt: str | None, chain: Chain) -> tuple[list[int] | None, int]:
         """The event ids of ``chain``'s full blocks for ``spec``, extending what the chain already holds
@@ -209,7 +233,8 @@ class PromptBuilder:
         return stop
 
     async def _tokens(self, model: str, endpoint: str, body: Mapping[str, Any], chain: Chain | None,
-                      stop: Callable[[Chain], bool] | None) -> _Tokens:
+                      stop: Callable[[Chain], bool] | None, defer: bool = False, token_limit: int | None = None
+                      ) -> _Tokens:
         if endpoint == "completions" and isinstance(body.get("prompt"), list) and body["prompt"] \
                 and all(isinstance(t, int) for t in body["prompt"]):
             return _Tokens(array("I", body["prompt"]), "local")
@@ -223,7 +248,12 @@ class PromptBuilder:
                     # tokenizing it: beside the event loop, like the tokenizing.
                     text = tok.render_chat(*args) if _render_size(body) <= self._inline_chars \
                         else await asyncio.to_thread(tok.render_chat, *args)
-                    new, _, complete = await self._chains[model].chain(chain, text, stop)
+                    head = self._head(model, chain, text, stop, token_limit) if defer and stop is not None \
+                        else None
+                    if head is not None:
+                        self.deferred += 1
+                        return _Tokens(head.tokens, "local", head, False, len(text) - len(head.text), text)
+                    new, _, complete = await self._chains[model].chain(chain, text, stop if chain is None else None)
                     return _Tokens(new.tokens, "local", new, complete, len(text) - len(new.text))
                 if isinstance(body.get("prompt"), str):
                     prompt = body["prompt"]
@@ -238,6 +268,19 @@ class PromptBuilder:
             return _Tokens(None, "estimate")
         got = await self._worker_tokenize(model, req)
         return _Tokens(array("I", got), "worker") if got is not None else _Tokens(None, "estimate")
+
+    def _head(self, model: str, chain: Chain | None, text: str, stop: Callable[[Chain], bool],
+              token_limit: int | None) -> Chain | None:
+        """The head of ``text`` past ``chain`` (``ChainTokenizer.head``) when no worker holds its last block:
+        hashes are chained, so none holds anything after it and routing knows all it needs. Not when the
+        whole might exceed ``token_limit``: a token is at least one byte, so the head's tokens plus the
+        rest's bytes bound it."""
+        bs = max((s.block_size for s in self._specs(model)), default=16)
+        head = self._chains[model].head(chain, text, bs)
+        if head is None or (token_limit is not None
+                            and len(head.tokens) + len(text[len(head.text):].encode()) >= token_limit):
+            return None
+        return head if stop(head) else None
 
     # -- the completed turn ------------------------------------------------------------------------
     def _render_history(self, model: str, messages: Sequence[Mapping[str, Any]], tools: Any

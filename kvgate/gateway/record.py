@@ -133,6 +133,8 @@ class Recorder:
         """The completed turn's chain, rendered and tokenized beside the event loop (long histories cost
         milliseconds of template and tokenizer work)."""
         p = ex.prepared
+        if p.prompt_task is not None:
+            await p.prompt_task
         if p.turn is None or not ex.reply.complete:
             return None
         chain = await asyncio.to_thread(self.turns.chain_for, p.model, p.turn.canonical.messages, ex.reply.message(),

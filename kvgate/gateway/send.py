@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -34,6 +35,7 @@ from kvgate.gateway.upstream import Lost, NotSent, Upstream, UpstreamResponse
 from kvgate.router.types import WorkerId
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class Sender:
@@ -92,6 +94,8 @@ class Sender:
             if upstream.status >= 400:
                 return await self._refused(ex, upstream)
             self.router.accepted(p, w)
+            if p.finish_prompt is not None and p.prompt_task is None:
+                p.prompt_task = asyncio.ensure_future(self._finish_prompt(p, w))
             if p.stream:
                 it = upstream.chunks()
                 try:
@@ -152,6 +156,17 @@ class Sender:
         self.metrics.upstream_failures.labels(w, "status_500").inc()
         raise BadRequest(f"Worker {w} failed while processing this request (HTTP {status}: {text}); it was not "
                          "retried on another worker.", code="upstream_request_failed")
+
+    async def _finish_prompt(self, p: Prepared, w: WorkerId) -> None:
+        """The rest of a prompt routed on its head, tokenized beside the event loop (tokenizers release
+        the GIL); the worker's approximate index then learns all the blocks it was sent."""
+        assert p.finish_prompt is not None
+        try:
+            p.prompt = await asyncio.to_thread(p.finish_prompt)
+        except Exception as exc:  # any tokenizer failure: the head stays, the turn's chain is built from it
+            log.warning("completing a prompt's tokens failed: %s", exc)
+            return
+        self.router.accepted(p, w)
 
     def _failed(self, w: WorkerId, error: str, kind: str) -> None:
         self.metrics.upstream_failures.labels(w, kind).inc()

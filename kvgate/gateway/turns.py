@@ -110,7 +110,10 @@ class TurnService:
         if conv is None or conv.chain is None or prompt.tokens is None:
             return None
         ch, pc = conv.chain, prompt.chain
-        starts = (anchored_token_starts(pc.text, pc.anchor_chars, pc.anchor_tokens, canonical.messages)
+        # A prompt known only as far as the chain and its first new block (``ChainTokenizer.head``): the
+        # messages after the first new one are not in its text, and no token it knows can be theirs.
+        msgs = canonical.messages if prompt.text is None else canonical.messages[: len(conv.history) + 1]
+        starts = (anchored_token_starts(pc.text, pc.anchor_chars, pc.anchor_tokens, msgs)
                   if pc is not None else None)
         chain = ch.engine if ch.engine is not None else ch.tokens
         rendered = ch.tokens if ch.engine is not None else None

@@ -62,6 +62,22 @@ class ChatTokenizer:
         return [(list(e.ids), [s for s, _ in e.offsets])
                 for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
+    def encode_anchored(self, texts: list[str], anchors: list[list[int]], release_gil: bool = False
+                        ) -> list[tuple[list[int], list[int | None]]]:
+        """Token ids of each text and the index of the token that starts at each of its ``anchors``
+        (character offsets), without the offsets of every token (converting those costs a third as much
+        as encoding). ``release_gil``: encode as a batch, which ``tokenizers`` runs without the GIL (work
+        for a thread; a single encode holds it, stopping the event loop as surely as on it)."""
+        encs = (self._tok.encode_batch(texts, add_special_tokens=False) if release_gil or len(texts) != 1
+                else [self._tok.encode(texts[0], add_special_tokens=False)])
+        return [(list(e.ids), [e.char_to_token(c) for c in chars]) for e, chars in zip(encs, anchors, strict=True)]
+
+    def plain_added_tokens(self) -> bool:
+        """Whether every added token is matched as its exact text (not normalized, no strip, not single
+        word): then the added tokens of a text are where their strings are."""
+        return all(not (t.normalized or t.lstrip or t.rstrip or t.single_word)
+                   for t in self._tok.get_added_tokens_decoder().values())
+
     def last_safe_split(self, text: str, before: int) -> int:
         """The start of the last special token at or before ``before``: tokenization never crosses a
         special token, so the text can be re-tokenized from there on its own. 0 if there is none."""
