@@ -95,6 +95,8 @@ class Prepared:
     store_response: bool = True
     """The reply's response id is recorded for ``previous_response_id`` (chat's ``store: false``: not, so
     nothing can continue from it; the conversation's routing state is kept as for any request)."""
+    retain_s: float | None = None
+    """How long the request asked for its KV to be kept (``session/retention.py``; None: not asked)."""
 
 
 @dataclass(slots=True)
