@@ -74,6 +74,9 @@ async def test_a_marked_answer_is_reserved_on_its_home_worker_until_the_next_req
     last = conv.turns[-1]
     assert res.tokens == last.prompt_tokens + last.completion_tokens > 0
     assert (await reserved_tokens(c))[home] == res.tokens
+    async with httpx.AsyncClient() as h:
+        shown = (await h.get(c.url + "/admin/conversations/marked")).json()["reservation"]
+    assert shown == {"worker": home, "tokens": res.tokens, "until": res.until}
     assert await metric(c, "kvgate_retentions_total", outcome="reserve") == 1
 
     # The same request unmarked, in another conversation: its KV is left to the engine.
