@@ -187,7 +187,8 @@ class Gateway:
         budgets = None if self.admission is None else \
             TenantBudgets(self.admission.settings, self.admission.store, self.fleet)
         actions = GatewayActions(settings, self.pool, self.tiers, self.turns, self.client, self.cost)
-        self.runtime = SessionRuntime(SessionController(ControllerParams(settings.prefill)),
+        self.runtime = SessionRuntime(SessionController(ControllerParams(
+            settings.prefill, max_retain_s=settings.cache_control_max_retain_s)),
                                       Learned(settings.waits, settings.prefill), self.store, self.fleet, actions, m,
                                       wall, tick_s=settings.timer_tick_s, lease_s=settings.timer_lease_s,
                                       tracing=self.tracing, budgets=budgets)

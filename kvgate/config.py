@@ -306,6 +306,10 @@ class GatewaySettings(YamlSettings):
     """Tool-wait prediction and the reserve/release rule."""
     prefill: PrefillParams = Field(default_factory=lambda: PrefillParams(enabled=False))
     """Background prefill of the canonical branch (off unless enabled)."""
+    cache_control_max_retain_s: float = Field(3600.0, ge=0, le=86400)
+    """The longest an answer's KV is reserved on its home worker because its request asked for it
+    (Anthropic ``cache_control`` ttl: 5 min, or 1 h for ``"1h"``; OpenAI ``prompt_cache_retention: "24h"``),
+    within the tenant's parked-KV budget; 0 ignores such asks (docs/tiering.md)."""
     prefill_priority: int | None = None
     """Request priority for background prefills, in vLLM's sense (lower first; needs --scheduling-policy priority);
     SGLang workers (higher first) get it negated. None sends none."""

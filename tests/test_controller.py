@@ -252,3 +252,90 @@ def test_a_prefill_over_the_tenants_prefill_budget_is_not_issued() -> None:
     within = _prefix_ready(c, L, 1008.0)
     assert of(within, IssuePrefill) == [IssuePrefill(W, within.state.prefill.token, 1008)]  # type: ignore[union-attr]
     assert of(_prefix_ready(c, L, None), IssuePrefill)
+
+
+# -- an answer's KV kept for as long as its request asked (cache_control, prompt_cache_retention) ----------
+def kept(c: SessionController, retain_s: float | None, parked_budget: int | None = None,
+         s: SessionState | None = None, now: float = 10.0) -> Step:
+    a = c.arrived(s or SessionState(), tenant="x", now=now - 1, user_turn=True)
+    return c.ended(a.state, tenant="x", worker=W, now=now, tools=(), kv_tokens=3000, cached_tokens=0,
+                   learned=learned(), parked_budget=parked_budget, retain_s=retain_s)
+
+
+def test_an_answer_that_asked_for_retention_is_reserved_until_it_lapses() -> None:
+    c = ctl(settle_s=100.0)
+    step = kept(c, 300.0)
+    assert step.state.lifecycle.state is State.AWAITING_USER
+    [res] = of(step, Reserve)
+    lapse = next(a for a in of(step, ArmTimer) if a.kind == LAPSE)
+    assert res == Reserve(W, 3000, 310.0, lapse.token) and lapse.due == 310.0
+    assert step.state.reservation is not None and step.state.reservation.until == 310.0
+    assert Count("retentions", "reserve") in step.commands
+    assert step.state.timer(SETTLE) is not None  # the answer's own timers stand beside it
+    fired = c.fired(step.state, kind=LAPSE, token=lapse.token, home=W)
+    assert of(fired, Unreserve) == [Unreserve(W, 3000)] and fired.state.reservation is None
+    assert Count("retentions", "lapsed") in fired.commands
+
+
+def test_an_answer_that_asked_for_nothing_is_not_reserved() -> None:
+    c = ctl()
+    for retain in (None, 0.0):
+        step = kept(c, retain)
+        assert not of(step, Reserve) and step.state.reservation is None
+        assert all(a.kind != LAPSE for a in of(step, ArmTimer))
+
+
+def test_the_retention_is_capped_and_a_zero_cap_ignores_it() -> None:
+    capped = SessionController(ControllerParams(max_retain_s=600.0))
+    [res] = of(kept(capped, 86400.0), Reserve)
+    assert res.until == 10.0 + 600.0
+    off = SessionController(ControllerParams(max_retain_s=0.0))
+    assert not of(kept(off, 3600.0), Reserve)
+
+
+def test_a_retention_over_the_parked_budget_is_not_reserved_and_counted() -> None:
+    c = ctl()
+    over = kept(c, 300.0, parked_budget=2999)  # the context is 3000 tokens
+    assert not of(over, Reserve) and over.state.reservation is None and over.state.timer(LAPSE) is None
+    assert Count("retentions", "over_budget") in over.commands
+    assert of(kept(c, 300.0, parked_budget=3000), Reserve)
+
+
+def test_the_next_request_releases_a_retention() -> None:
+    c = ctl()
+    step = kept(c, 3600.0)
+    back = c.arrived(step.state, tenant="x", now=60.0, user_turn=True)
+    assert of(back, Unreserve) == [Unreserve(W, 3000)] and back.state.reservation is None
+    assert LAPSE in of(back, CancelTimers)[0].kinds
+
+
+def test_tool_calls_keep_the_wait_plan_whatever_the_retention() -> None:
+    c, L = ctl(), learned(tool_priors_s={"t": 30.0})
+    a = c.arrived(SessionState(), tenant="x", now=0, user_turn=True)
+    step = c.ended(a.state, tenant="x", worker=W, now=1, tools=("t",), kv_tokens=4000, cached_tokens=0, learned=L,
+                   retain_s=3600.0)
+    assert not of(step, Reserve) and step.state.lifecycle.plan is not None
+    assert step.state.lifecycle.plan.action == "release"
+
+
+def test_a_branch_still_in_flight_or_a_held_reservation_is_not_retained_again() -> None:
+    c, L = ctl(), learned(tool_priors_s={"t": 1.0})
+    branch = c.arrived(SessionState(), tenant="x", now=0, user_turn=True).state
+    two = c.arrived(branch, tenant="x", now=0, user_turn=False).state
+    first = c.ended(two, tenant="x", worker=W, now=1, tools=(), kv_tokens=100, cached_tokens=0, learned=L,
+                    retain_s=300.0)
+    assert first.state.lifecycle.state is State.GENERATING and not of(first, Reserve)
+    tooled = c.ended(c.arrived(branch, tenant="x", now=0, user_turn=False).state, tenant="x", worker=W, now=1,
+                     tools=("t",), kv_tokens=100, cached_tokens=0, learned=L)
+    answered = c.ended(tooled.state, tenant="x", worker=W, now=1.1, tools=(), kv_tokens=100, cached_tokens=0,
+                       learned=L, retain_s=300.0)
+    assert not of(answered, Reserve) and answered.state.reservation == tooled.state.reservation
+
+
+def test_a_retention_the_store_refused_is_dropped() -> None:
+    c = ctl()
+    step = kept(c, 300.0)
+    [res] = of(step, Reserve)
+    refused = c.reservation_refused(step.state, token=res.token, learned=learned())
+    assert refused.state.reservation is None and refused.state.timer(LAPSE) is None
+    assert Count("retentions", "refused") in refused.commands and not of(refused, ArmTimer)

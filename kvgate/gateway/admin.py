@@ -35,8 +35,16 @@ def conversation_view(c: Conversation) -> dict[str, Any]:
             "exact_replies": len(c.exact), "chain_tokens": len(c.chain.tokens) if c.chain is not None else 0,
             "responses": list(c.responses), "version": c.version, "agent_metrics": agent_metrics(c),
             "reset": c.reset or None,
+            "reservation": _reservation(c),
             "turns": [{**to_map(t), "uncached_prefill_tokens": t.uncached_prefill_tokens,
                        "active_context_tokens": t.active_context_tokens} for t in c.turns]}
+
+
+def _reservation(c: Conversation) -> dict[str, Any] | None:
+    """The KV held for the conversation on its home worker (a short tool wait, or an answer that asked for
+    retention: docs/tiering.md)."""
+    r = c.session.reservation
+    return None if r is None else {"worker": r.worker, "tokens": r.tokens, "until": r.until}
 
 
 def agent_metrics(c: Conversation) -> dict[str, Any]:

@@ -101,6 +101,8 @@ class Prepared:
     loop once the request is sent, into ``prompt_task``."""
     prompt_task: asyncio.Future[None] | None = None
     """``finish_prompt`` running; the record awaits it (the turn's chain is built from the whole prompt)."""
+    retain_s: float | None = None
+    """How long the request asked for its KV to be kept (``session/retention.py``; None: not asked)."""
 
 
 @dataclass(slots=True)

@@ -20,6 +20,9 @@ from kvgate.gateway.exchange import Prepared
 class Front(Protocol):
     name: str
     """The door's name in metrics and traces (``responses``, ``messages``)."""
+    retain_s: float | None
+    """Set by ``to_chat``: how long the request asked for its KV to be kept (``session/retention.py``), carried
+    on the prepared request beside the body, never in it: a field of the body a chat client could set too."""
 
     async def to_chat(self, body: dict[str, Any], headers: Mapping[str, str], tenant: str | None
                       ) -> dict[str, Any]:

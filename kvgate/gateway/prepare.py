@@ -39,6 +39,7 @@ from kvgate.router.types import ConversationId
 from kvgate.safejson import DEFAULT_LIMITS, JsonLimits
 from kvgate.session import regroup
 from kvgate.session.conversation import Conversation
+from kvgate.session.retention import prompt_cache_retention_s
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +229,8 @@ class Preparer:
         # tenant's, so then only an operator sees them.
         show = not auth.enabled or salt is not None or (principal is not None and principal.operator)
         return Prepared(endpoint, model, ident, conv, prompt, payload, fwd, stream, hide, arrival, now,
-                        user_turn, turn, task, trace, show, salt, ticket, store_response=body.get("store") is not False)
+                        user_turn, turn, task, trace, show, salt, ticket, store_response=body.get("store") is not False,
+                        retain_s=prompt_cache_retention_s(body.get("prompt_cache_retention")))
 
     def _finisher(self, model: str, prompt: Prompt, salt: Any) -> Callable[[], Prompt]:
         """``prompt`` tokenized whole, for a thread once the request is sent."""

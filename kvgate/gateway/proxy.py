@@ -53,6 +53,8 @@ class Proxy:
             try:
                 translate = None if front is None else self._translator(front, request, principal)
                 prepared = await self.preparer.prepare(request, endpoint, trace, principal, translate)
+                if front is not None:
+                    prepared.retain_s = front.retain_s
             except (ApiError, ClientGone):
                 raise
             except ClientDisconnect:

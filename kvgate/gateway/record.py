@@ -106,9 +106,11 @@ class Recorder:
 
     async def _parked_budget(self, ex: Exchange, now: float) -> int | None:
         """What the tenant may still park, read before the compare-and-set (its function is synchronous);
-        only for a reply with tool calls of a tenant with a budget, so other requests pay no round trip."""
+        only for a reply with tool calls or a request that asked for retention, of a tenant with a budget, so
+        other requests pay no round trip."""
         budgets, tenant = self.runtime.budgets, ex.prepared.ident.tenant
-        if budgets is None or budgets.parked_limit(tenant) is None or not ex.reply.tool_names():
+        if budgets is None or budgets.parked_limit(tenant) is None or not (ex.reply.tool_names()
+                                                                            or ex.prepared.retain_s):
             return None
         return await budgets.parked_left(tenant, now)
 
@@ -120,7 +122,8 @@ class Recorder:
         ended = rt.controller.ended(
             arrived.state, tenant=p.ident.tenant, worker=ex.decision.worker, now=now, tools=ex.reply.tool_names(),
             kv_tokens=(u.prompt_tokens + u.completion_tokens) if u else p.prompt.length,
-            cached_tokens=u.cached_tokens if u else None, learned=rt.learned, parked_budget=parked)
+            cached_tokens=u.cached_tokens if u else None, learned=rt.learned, parked_budget=parked,
+            retain_s=p.retain_s)
         conv = replace(base, session=ended.state,
                        residency=self.tiers.stored(base.residency, ex.node, p.prompt.length)
                        ).with_turn(turn, self.turns.limits)

@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 Transition = Callable[[SessionState, Conversation], Step]
 
 _METRICS = {"prefills": "prefills", "prefill_decisions": "prefill_decisions", "tool_waits": "tool_waits",
-            "wait_plans": "wait_plans"}
+            "wait_plans": "wait_plans", "retentions": "retentions"}
 
 
 class Actions(Protocol):

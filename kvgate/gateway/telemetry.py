@@ -234,6 +234,10 @@ class GatewayMetrics:
         self.wait_plans = Counter("kvgate_wait_plans", "Tool waits by plan: reserve, release, or over_budget (a "
                                   "short wait released because the tenant's parked-KV budget cannot hold it).",
                                   ["action"], registry=r)
+        self.retentions = Counter("kvgate_retentions", "Answers whose request asked for its KV to be kept "
+                                  "(cache_control, prompt_cache_retention), by outcome: reserve, over_budget (the "
+                                  "tenant's parked-KV budget cannot hold it), refused (the fleet store refused it "
+                                  "over that budget), lapsed.", ["outcome"], registry=r)
         self.tier_lookups = Counter("kvgate_tier_lookups", "Tier residency lookups, by tier and whether it "
                                     "answered (down: treated as empty).", ["tier", "state"], registry=r)
         self.prefetches = Counter("kvgate_tier_prefetches", "LMCache prefetches asked for.", ["outcome"], registry=r)

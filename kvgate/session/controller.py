@@ -19,7 +19,9 @@ Events and what they do:
   predicted and planned — reserve the KV on the home worker (with a lapse timer) or release it and
   prefetch it from the remote tier shortly before the predicted resume; a reservation the tenant's
   parked-KV budget cannot hold is planned as a release (``over_budget``); on an answer, a settle timer
-  and (when enabled) a prefill timer are armed.
+  and (when enabled) a prefill timer are armed, and a request that asked for its KV to be kept
+  (``retain_s``: Anthropic's ``cache_control``, OpenAI's ``prompt_cache_retention``; ``session/retention.py``)
+  has it reserved on the home worker for that long (capped), within the same parked-KV budget.
 - **reservation_refused**: the fleet store refused a planned reservation (another replica took the
   tenant's remaining budget first): the conversation drops it and takes the release path after all.
 - **fired** (a timer): ``lapse`` releases a reservation; ``prefetch`` asks for a prefetch;
@@ -123,7 +125,7 @@ class Observe:
 class Count:
     """A counter for operators and benchmarks: ``prefills{outcome}``, ``prefill_decisions{reason}``,
     ``prefill_saved_ms``, ``tool_waits{outcome}``, ``wait_plans{action}`` (``reserve``, ``release``,
-    ``over_budget``)."""
+    ``over_budget``), ``retentions{outcome}`` (``reserve``, ``over_budget``, ``lapsed``, ``refused``)."""
 
     name: str
     label: str = ""
@@ -148,6 +150,8 @@ class ControllerParams:
     plan_waits: bool = True
     """Predict tool waits and reserve or prefetch their KV (off: the lifecycle alone, as a fleet
     without tiers runs)."""
+    max_retain_s: float = 3600.0
+    """The longest a request may ask an answer's KV to be kept (``retain_s``); 0: such asks are ignored."""
 
 
 class SessionController:
@@ -179,11 +183,13 @@ class SessionController:
 
     # -- its response ended ------------------------------------------------------------------------
     def ended(self, s: SessionState, *, tenant: str, worker: WorkerId, now: float, tools: tuple[str, ...],
-              kv_tokens: int, cached_tokens: int | None, learned: Learned, parked_budget: int | None = None) -> Step:
+              kv_tokens: int, cached_tokens: int | None, learned: Learned, parked_budget: int | None = None,
+              retain_s: float | None = None) -> Step:
         """``kv_tokens``: the context the worker now holds (prompt + completion); ``cached_tokens``: what
         the request reused (None when the worker reported no usage); ``parked_budget``: KV tokens the
         tenant may still park (its budget minus what its conversations hold reserved now; None: no
-        budget)."""
+        budget); ``retain_s``: how long the request asked for its KV to be kept (None: not asked), honoured
+        on an answer; on tool calls the wait's own plan stands."""
         cmds = self._settle_prefill(s.prefill, cached_tokens) + self._feedback(s)
         s = replace(s, prefill=None, pending_wait=None, pending_continue=None)
         if tools:
@@ -194,7 +200,26 @@ class SessionController:
         if self.params.prefill.enabled:
             s, arm = self._arm(s, PREFILL, now)
             cmds.append(arm)
-        return Step(s, tuple(cmds))
+        return self._retain(s, worker, now, kv_tokens, retain_s, parked_budget, cmds)
+
+    def _retain(self, s: SessionState, worker: WorkerId, now: float, kv_tokens: int, retain_s: float | None,
+                parked_budget: int | None, cmds: list[Command]) -> Step:
+        """An answer whose request asked for its KV to be kept: reserved as a short tool wait is, since
+        the client said the prefix is worth it, until it lapses or the next request releases it."""
+        cap = self.params.max_retain_s
+        if not retain_s or retain_s <= 0 or cap <= 0:
+            return Step(s, tuple(cmds))
+        if s.reservation is not None or s.lifecycle.state is not State.AWAITING_USER:
+            # Another branch is in flight or holds a tool wait's reservation: the record keeps one
+            # reservation, and that one's lapse timer must still find it.
+            return Step(s, tuple(cmds))
+        if parked_budget is not None and kv_tokens > parked_budget:
+            return Step(s, (*cmds, Count("retentions", "over_budget")))
+        until = now + min(retain_s, cap)
+        s, arm = self._arm(s, LAPSE, until)
+        s = replace(s, reservation=Reservation(worker, kv_tokens, until, arm.token))
+        # The lapse timer first, as for a tool wait: a refused reservation can then cancel it.
+        return Step(s, (*cmds, Count("retentions", "reserve"), arm, Reserve(worker, kv_tokens, until, arm.token)))
 
     def _tool_wait(self, s: SessionState, tenant: str, worker: WorkerId, now: float, tools: tuple[str, ...],
                    kv_tokens: int, learned: Learned, cmds: list[Command], parked_budget: int | None) -> Step:
@@ -223,7 +248,8 @@ class SessionController:
         r = s.reservation
         if r is None or r.token != token:
             return Step(s)  # the wait is over already (the next request released it)
-        cmds: list[Command] = [Count("tool_waits", "reservation_refused")]
+        kept = s.lifecycle.state is State.AWAITING_USER
+        cmds: list[Command] = [Count("retentions", "refused") if kept else Count("tool_waits", "reservation_refused")]
         if s.timer(LAPSE) == token:
             s = s.without_timer(LAPSE)
             cmds.append(CancelTimers((LAPSE,)))
@@ -273,7 +299,9 @@ class SessionController:
             r = s.reservation
             if r is None or r.token != token:
                 return Step(s)
-            lapsed = (Unreserve(r.worker, r.tokens), Count("tool_waits", "reservation_lapsed"))
+            kept = s.lifecycle.state is State.AWAITING_USER  # an answer's retention, not a tool wait's
+            lapsed = (Unreserve(r.worker, r.tokens),
+                      Count("retentions", "lapsed") if kept else Count("tool_waits", "reservation_lapsed"))
             return Step(replace(s, reservation=None), lapsed)
         if kind == PREFETCH:
             ok = s.lifecycle.state is State.AWAITING_TOOL and home is not None

@@ -18,23 +18,30 @@ from kvgate.gateway.auth import require
 from kvgate.gateway.exchange import Prepared
 from kvgate.gateway.prepare import read_json
 from kvgate.gateway.requests import validate_chat
+from kvgate.session import retention
 
 if TYPE_CHECKING:
     from kvgate.gateway.parts import Parts
 
 
 class MessagesFront:
+    """One ``POST /v1/messages`` request's translation (a new one per request: it holds the request's
+    ``retain_s``)."""
+
     name = "messages"
 
     def __init__(self, signer: Signer) -> None:
         self.signer = signer
+        self.retain_s: float | None = None
 
     async def to_chat(self, body: dict[str, Any], headers: Mapping[str, str], tenant: str | None
                       ) -> dict[str, Any]:
         if _blocks(body) > TRANSLATE_INLINE_BLOCKS:
             # ~20 µs a block: thousands would hold every other request up.
-            return await asyncio.to_thread(translate.to_chat, body, self.signer)
-        return translate.to_chat(body, self.signer)
+            chat, self.retain_s = await asyncio.to_thread(_translated, body, self.signer)
+        else:
+            chat, self.retain_s = _translated(body, self.signer)
+        return chat
 
     async def from_json(self, chat: dict[str, Any], prepared: Prepared) -> dict[str, Any]:
         return translate.from_chat(chat, self.signer)
@@ -48,6 +55,13 @@ class MessagesFront:
 
 TRANSLATE_INLINE_BLOCKS = 1000
 """Requests with more content blocks than this are translated beside the event loop."""
+
+
+def _translated(body: dict[str, Any], signer: Signer) -> tuple[dict[str, Any], float | None]:
+    """The chat body and the retention its ``cache_control`` markers ask for (read once the translation
+    accepted the request)."""
+    chat = translate.to_chat(body, signer)
+    return chat, retention.cache_control_s(body)
 
 
 def _blocks(body: Mapping[str, Any]) -> int:
@@ -69,7 +83,7 @@ def add_routes(app: FastAPI, gw: Parts) -> None:
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
-        return await gw.proxy.handle(request, "chat", front=front)
+        return await gw.proxy.handle(request, "chat", front=MessagesFront(front.signer))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:

@@ -6,7 +6,8 @@ input as JSON); a user turn's tool_result blocks become ``tool`` messages in ord
 message after them. A thinking block must carry the signature kvgate gave it (signing.py), so what reaches
 the engine is the reasoning it generated, byte for byte. ``redacted_thinking`` is dropped: it is
 Anthropic's encrypted reasoning, which neither kvgate nor the engine can read, and the engine never cached
-it. ``cache_control`` markers are accepted and not forwarded: the engine caches every prefix anyway.
+it. ``cache_control`` markers are accepted and not forwarded: the engine caches every prefix anyway (how long
+kvgate keeps the conversation's KV for them is read beside the translation: ``session/retention.py``).
 
 Answer: reasoning becomes a signed thinking block, content a text block, tool calls tool_use blocks;
 usage counts ``input_tokens`` as the uncached prompt tokens and ``cache_read_input_tokens`` as the

@@ -27,6 +27,7 @@ from kvgate.gateway.exchange import Prepared
 from kvgate.kvstore.conversations import ConversationStore, StoreError
 from kvgate.router.types import ConversationId
 from kvgate.session.conversation import Conversation
+from kvgate.session.retention import prompt_cache_retention_s
 
 
 def make_response_store(settings: GatewaySettings, clock: Clock) -> ResponseStore:
@@ -52,10 +53,12 @@ class ResponsesFront:
         self.deps = deps
         self.req: t.Request | None = None
         self.created = time.time()
+        self.retain_s: float | None = None
 
     async def to_chat(self, body: dict[str, Any], headers: Mapping[str, str], tenant: str | None
                       ) -> dict[str, Any]:
         req = self.req = t.read_request(body)
+        self.retain_s = prompt_cache_retention_s(body.get("prompt_cache_retention"))
         known: tuple[str, ...] = ()
         previous: str | None = None
         system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
