@@ -164,9 +164,10 @@ async def run_client(client: str, trajectories: list[Trajectory], gw_url: str | 
             res.cached += cached
             res.requests += 1
             if prev_total is not None:
-                # Measured from the client's side: the previous prompt and everything generated for it
-                # could have been reused, up to this prompt's last token.
-                res.measured += max(0, min(prev_total, u["prompt_tokens"] - 1) - cached)
+                # Measured from the client's side: the previous prompt and everything generated for it but
+                # the last token (whose KV no engine computes) could have been reused, up to this prompt's
+                # last token.
+                res.measured += max(0, min(prev_total - 1, u["prompt_tokens"] - 1) - cached)
             prev_total = u["prompt_tokens"] + u["completion_tokens"]
         rec = (await http.get(f"{rng.choice(urls)}/admin/conversations/{conv}")).json()
         for turn in rec["turns"][1:]:

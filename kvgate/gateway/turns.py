@@ -117,8 +117,12 @@ class TurnService:
                   if pc is not None else None)
         chain = ch.engine if ch.engine is not None else ch.tokens
         rendered = ch.tokens if ch.engine is not None else None
+        last = conv.turns[-1] if conv.turns else None
+        # No engine computes the KV of the last token it generates: a reply ending on a block boundary
+        # leaves that block incomplete on the worker, which is alignment, not a cache miss.
+        computed = last.active_context_tokens - 1 if last is not None and last.completion_tokens > 0 else None
         return explain_prompt(chain, prompt.tokens, block_size, conv.history, canonical.messages,
-                              canonical.reasoning_changed, starts, rendered)
+                              canonical.reasoning_changed, starts, rendered, computed)
 
     def chain_for(self, model: str, messages: Sequence[Message], reply: Message, tools: Any,
                   prompt_chain: Chain | None) -> Chain | None:
