@@ -8,7 +8,7 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -52,6 +52,7 @@ from kvgate.gateway.record import Recorder
 from kvgate.gateway.relay import Relay
 from kvgate.gateway.requestlog import RequestLog
 from kvgate.gateway.route import Router
+from kvgate.gateway.routedsync import RoutedSync
 from kvgate.gateway.runtime import SessionRuntime
 from kvgate.gateway.send import Sender
 from kvgate.gateway.telemetry import GatewayMetrics, PrefixCollector
@@ -68,8 +69,10 @@ from kvgate.kvstore.health import HealthBoard, RedisHealthBoard
 from kvgate.kvstore.policy import MemoryPolicyStore, PolicyStore, RedisPolicyStore
 from kvgate.kvstore.redis_conversations import RedisConversationStore
 from kvgate.kvstore.redis_fleet import RedisFleet
+from kvgate.kvstore.routed import RedisRoutedRecord
 from kvgate.router.cost import CostModel
 from kvgate.router.policies import Policy, PolicyParams, make_policy
+from kvgate.router.types import WorkerId
 from kvgate.session.controller import ControllerParams, SessionController
 from kvgate.session.conversation import Limits
 from kvgate.session.state import Learned
@@ -104,6 +107,22 @@ def make_health_board(settings: GatewaySettings) -> HealthBoard | None:
         return None
     return RedisHealthBoard(settings.redis_url, settings.redis_prefix, 10 * settings.health_interval_s + 60,
                             cluster=settings.redis_cluster)
+
+
+def make_routed_sync(settings: GatewaySettings, pool: WorkerPool, prefix: PrefixKnowledge, clock: Clock,
+                     wall: Callable[[], float]) -> RoutedSync | None:
+    """The fleet's record of what each replica routed to workers without events: their shared Redis."""
+    if settings.session_store != "redis" or settings.routed_record_poll_s <= 0:
+        return None
+    record = RedisRoutedRecord(settings.redis_url, settings.redis_prefix, settings.approx_ttl_s,
+                               cluster=settings.redis_cluster)
+
+    def blocks(wid: WorkerId) -> int:
+        spec = pool.spec(wid)
+        return pool.capacity_tokens(wid) // spec.block_size if spec is not None else 0
+
+    return RoutedSync(record, prefix, lambda: [w.id for w in pool.all()], blocks, clock.now, wall,
+                      settings.routed_record_poll_s)
 
 
 def make_policy_store(settings: GatewaySettings) -> PolicyStore:
@@ -169,6 +188,7 @@ class Gateway:
         self.store, self.fleet = stores or make_stores(settings, self.clock)
         self.prefix = PrefixKnowledge(self.pool.spec, self.pool.specs, settings.approx_ttl_s,
                                       settings.inflight_ttl_s, self.pool.capacity_tokens)
+        self.routed_sync = make_routed_sync(settings, self.pool, self.prefix, self.clock, wall)
         self.subscriber = KvEventSubscriber(self.prefix.events, settings.workers, self.client,
                                             warm_start=settings.kv_events_warm_start)
         # A worker that restarted (or is back after being out) is expected to hold nothing until its
@@ -253,6 +273,9 @@ class Gateway:
         if self.membership is not None:
             await self.membership.start(first_timeout_s=10.0)
         await self.policy_sync.start()  # the fleet's parameters before the first request
+        if self.routed_sync is not None:
+            self.pool.on_restart(self.routed_sync.worker_restarted)
+            await self.routed_sync.start()  # and the fleet's routes
         self.pool.start()
         self.runtime.start()
         if self.admission is not None:
@@ -278,6 +301,8 @@ class Gateway:
             await self.admission.aclose()
         await self.policy_sync.stop()
         await self.policy_sync.store.close()
+        if self.routed_sync is not None:
+            await self.routed_sync.stop()
         await self.runtime.aclose()
         await asyncio.to_thread(self.requests.close)
         await self.tiers.aclose()

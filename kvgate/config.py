@@ -268,6 +268,9 @@ class GatewaySettings(YamlSettings):
     """The workers' PYTHONHASHSEED (vLLM derives its root block hash from it)."""
     approx_ttl_s: float = Field(120.0, gt=0)
     """Approximate mode: how long a routed prompt is assumed to stay cached on its worker."""
+    routed_record_poll_s: float = Field(0.25, ge=0)
+    """Approximate mode with ``session_store=redis``: how often a replica publishes what it routed and
+    merges what the other replicas routed (``kvstore/routed.py``); 0: each knows only its own routes."""
     inflight_ttl_s: float = Field(30.0, gt=0)
     """Workers with KV events: a prompt dispatched there counts as cached there until its blocks arrive by
     events, nothing kvgate sent there is in flight, or this long has passed."""

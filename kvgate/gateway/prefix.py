@@ -46,6 +46,9 @@ class PrefixKnowledge:
         self._spec_of = spec_of
         self._specs_of = specs_of
         self._approx_spec: dict[WorkerId, HashSpec] = {}
+        self.on_routed: Callable[[WorkerId, HashSpec, list[int]], None] | None = None
+        """Told the blocks routed to a worker without events that it has not been told of in the last
+        quarter of the TTL (``gateway/routedsync.py`` shares them with the other replicas)."""
 
     def block_size(self, model: str) -> int:
         """The unit ``match`` counts in: the gcd of the model's workers' block sizes."""
@@ -149,4 +152,21 @@ class PrefixKnowledge:
         got = self._hashes(wid, prompt)
         if got is not None and not self.precise(wid):
             self._check_spec(wid, got[0])
+            if self.on_routed is not None:
+                # A block published lately is already known to the others: republished only when its
+                # shared time would lag by more than a quarter of the TTL, not on every turn of its chain.
+                new = self.approx.stale(wid, got[1], now + self.approx.ttl_s * 0.75)
+                if new:
+                    self.on_routed(wid, got[0], new)
             self.approx.record(wid, got[1], now)
+
+    def approx_spec(self, wid: WorkerId) -> HashSpec | None:
+        """The hash identity of a worker kvgate knows only by what it routed (None: it has events)."""
+        return None if self.precise(wid) else self._spec_of(wid)
+
+    def merge_routed(self, wid: WorkerId, spec: HashSpec, entries: Sequence[tuple[int, float]]) -> int:
+        """Blocks other replicas routed to ``wid`` (hash, when on this clock); returns how many were new."""
+        if self.precise(wid) or self._spec_of(wid) != spec:
+            return 0  # it publishes events now, or its hashing changed since that read
+        self._check_spec(wid, spec)
+        return self.approx.merge(wid, entries)

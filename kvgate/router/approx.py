@@ -40,6 +40,32 @@ class ApproxIndex:
             latest[h] = until
         self._seq += 1
         heapq.heappush(self._expiry, (until, self._seq, worker, tuple(hashes)))
+        self._trim(worker, latest)
+
+    def stale(self, worker: WorkerId, hashes: Sequence[int], before: float) -> list[int]:
+        """Of ``hashes``, those not assumed on ``worker`` or assumed only until earlier than ``before``."""
+        latest = self._latest.get(worker, {})
+        return [h for h in hashes if latest.get(h, 0.0) < before]
+
+    def merge(self, worker: WorkerId, entries: Sequence[tuple[int, float]]) -> int:
+        """Blocks another replica routed to ``worker``, each with when (this index's clock): each only
+        extends what is assumed, never shortens it. Returns how many were new or extended."""
+        latest = self._latest.setdefault(worker, {})
+        got: dict[float, list[int]] = {}
+        for h, at in sorted(entries, key=lambda e: e[1]):  # oldest first: the dict's order stays roughly LRU
+            until = at + self.ttl_s
+            if latest.get(h, 0.0) < until:
+                latest.pop(h, None)
+                latest[h] = until
+                got.setdefault(until, []).append(h)
+        for until, hs in got.items():
+            self.index.store(worker, hs)
+            self._seq += 1
+            heapq.heappush(self._expiry, (until, self._seq, worker, tuple(hs)))
+        self._trim(worker, latest)
+        return sum(len(hs) for hs in got.values())
+
+    def _trim(self, worker: WorkerId, latest: dict[int, float]) -> None:
         cap = self._capacity(worker) if self._capacity is not None else 0
         if 0 < cap < len(latest):
             over = [h for h, _ in zip(latest, range(len(latest) - cap), strict=False)]
