@@ -440,13 +440,16 @@ class WorkerPool:
                 self._failure(w, repr(r), hard=False)
 
     async def _loop(self) -> None:
+        # The gateway checked every worker and read the board just before starting this: the first round
+        # is one interval away (checking again at once would overturn, with one passing /health, what the
+        # board said of a worker that answers its checks but fails its requests).
         while not stopping():
+            await asyncio.sleep(self._interval)
             await self.check_all()
             try:
                 await self.learn()
             except Exception:  # the board is advice: a bad round must not stop the checks
                 log.exception("health board")
-            await asyncio.sleep(self._interval)
 
     def start(self) -> None:
         if self._task is None:
