@@ -43,7 +43,8 @@ async def test_swe_replay_on_real_vllm_explains_the_loss(pair: Pair) -> None:
                     cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                     cached_total += cached
                     if prev_total is not None:
-                        measured += max(0, min(prev_total, u["prompt_tokens"] - 1) - cached)
+                        # The previous turn's last generated token has no KV: not reusable.
+                        measured += max(0, min(prev_total - 1, u["prompt_tokens"] - 1) - cached)
                     prev_total = u["prompt_tokens"] + u["completion_tokens"]
                     reply = {k: v for k, v in j["choices"][0]["message"].items()
                              if k in ("role", "content", "reasoning", "tool_calls") and v is not None}
