@@ -388,6 +388,61 @@ def _build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _bench(args: argparse.Namespace) -> None:
+    """`kvgate bench WHICH`: each benchmark imported only when it runs (they pull in plotting and trace data)."""
+    from kvgate.bench import mooncake
+    from kvgate.bench.data import SWE_TRAJECTORIES
+
+    if args.which == "overhead":
+        if args.loadgen:
+            from kvgate.bench import loadgen
+
+            loadgen.run(Path(args.out), args.quick)
+        else:
+            from kvgate.bench import overhead
+
+            overhead.run(Path(args.out), args.quick)
+    elif args.which == "tracing":
+        from kvgate.bench import tracing
+
+        print(asyncio.run(tracing.run(rounds=2 if args.quick else 5)))
+    elif args.which == "stores":
+        from kvgate.bench import stores
+
+        stores.run()
+    elif args.which == "tenants":
+        from kvgate.bench import tenants
+
+        tenants.run_bench(quick=args.quick, out=Path(args.out))
+    elif args.which == "hostile":
+        from kvgate.bench import hostile
+
+        print(hostile.run(Path(args.out) / "hostile"))
+    elif args.which == "epp":
+        from kvgate.bench import epp
+
+        epp.run(quick=args.quick, out=Path(args.out))
+    elif args.which == "swe":
+        from kvgate.bench import swe
+
+        swe.run(SWE_TRAJECTORIES, Path(args.out))
+    elif args.which == "regroup":
+        from kvgate.bench import regroup
+
+        asyncio.run(regroup.main())
+    elif args.which == "tiering":
+        from kvgate.bench import tiering
+
+        raise SystemExit(tiering.run(Path(args.out), args.quick, real=not args.no_real))
+    elif args.choose:
+        from kvgate.bench import choose
+
+        print(choose.run(Path(args.trace) if args.trace else mooncake.DEFAULT_TRACE))
+    else:
+        raise SystemExit(mooncake.run(Path(args.trace) if args.trace else mooncake.DEFAULT_TRACE, Path(args.out),
+                                      args.quick, not args.no_dynamo, not args.no_peers, tiered_only=args.tiered))
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = _build_parser()
     args = ap.parse_args(argv)
@@ -413,57 +468,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         asyncio.run(run_demo(args.workers, args.profile, agents=args.agents, request_log=args.request_log,
                              tool_s=args.tool_s))
     elif args.cmd == "bench":
-        from kvgate.bench import mooncake
-        from kvgate.bench.data import SWE_TRAJECTORIES
-
-        if args.which == "overhead":
-            if args.loadgen:
-                from kvgate.bench import loadgen
-
-                loadgen.run(Path(args.out), args.quick)
-            else:
-                from kvgate.bench import overhead
-
-                overhead.run(Path(args.out), args.quick)
-        elif args.which == "tracing":
-            from kvgate.bench import tracing
-
-            print(asyncio.run(tracing.run(rounds=2 if args.quick else 5)))
-        elif args.which == "stores":
-            from kvgate.bench import stores
-
-            stores.run()
-        elif args.which == "tenants":
-            from kvgate.bench import tenants
-
-            tenants.run_bench(quick=args.quick, out=Path(args.out))
-        elif args.which == "hostile":
-            from kvgate.bench import hostile
-
-            print(hostile.run(Path(args.out) / "hostile"))
-        elif args.which == "epp":
-            from kvgate.bench import epp
-
-            epp.run(quick=args.quick, out=Path(args.out))
-        elif args.which == "swe":
-            from kvgate.bench import swe
-
-            swe.run(SWE_TRAJECTORIES, Path(args.out))
-        elif args.which == "regroup":
-            from kvgate.bench import regroup
-
-            asyncio.run(regroup.main())
-        elif args.which == "tiering":
-            from kvgate.bench import tiering
-
-            raise SystemExit(tiering.run(Path(args.out), args.quick, real=not args.no_real))
-        elif args.choose:
-            from kvgate.bench import choose
-
-            print(choose.run(Path(args.trace) if args.trace else mooncake.DEFAULT_TRACE))
-        else:
-            raise SystemExit(mooncake.run(Path(args.trace) if args.trace else mooncake.DEFAULT_TRACE, Path(args.out),
-                                          args.quick, not args.no_dynamo, not args.no_peers, tiered_only=args.tiered))
+        _bench(args)
     elif args.cmd == "tune":
         _tune(args)
     elif args.cmd == "dev":
