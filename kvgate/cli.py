@@ -338,9 +338,9 @@ def _build_parser() -> argparse.ArgumentParser:
     b.add_argument("--weights", action="store_true", help="also random weights (needs torch)")
 
     bn = sub.add_parser("bench", help="benchmarks from a source checkout: mooncake, swe, tiering, stores, overhead, "
-                        "tracing, epp, tenants, hostile, regroup")
+                        "tracing, epp, tenants, hostile, regroup, kvevents")
     bn.add_argument("which", choices=["mooncake", "swe", "tiering", "stores", "overhead", "tracing", "epp", "tenants",
-                                          "hostile", "regroup"])
+                                          "hostile", "regroup", "kvevents"])
     bn.add_argument("--trace", help="Mooncake-format trace, .jsonl or .jsonl.gz "
                     "(default: data/mooncake/conversation_trace.jsonl.gz)")
     bn.add_argument("--out", default="bench-out", help="output directory (default: bench-out)")
@@ -426,6 +426,10 @@ def _bench(args: argparse.Namespace) -> None:
         from kvgate.bench import swe
 
         swe.run(SWE_TRAJECTORIES, Path(args.out))
+    elif args.which == "kvevents":
+        from kvgate.bench import kvevents
+
+        kvevents.main(quick=args.quick)
     elif args.which == "regroup":
         from kvgate.bench import regroup
 
