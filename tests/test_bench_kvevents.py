@@ -25,11 +25,11 @@ def test_quick_bench_prints_both_tables(capsys: pytest.CaptureFixture[str]) -> N
     main(["bench", "kvevents", "--quick"])
     out = capsys.readouterr().out
     ingest = _rows(out, "KV event ingestion")
-    assert len(ingest) == 4 and all(len(r) == 7 for r in ingest)
+    assert len(ingest) == 4 and all(len(r) == 9 for r in ingest)
     assert {r[1] for r in ingest} >= {"1", "16", "256"}
     for r in ingest:
-        assert all(_number(c) > 0 for c in r[1:6]), r
-        assert r[6] == "≥ 500,000"
+        assert all(_number(c) > 0 for c in r[1:8]), r
+        assert r[8] == "≥ 500,000"
     route = _rows(out, "Routing a known conversation")
     assert [r[0] for r in route] == ["2,000", "8,000", "32,000"]
     for r in route:

@@ -15,19 +15,33 @@ are tracked:
 - a seq goes backwards (and is not a replayed batch's copy): the publisher restarted (its engine's
   cache is empty): clear, then apply;
 - the connection drops: the worker is ``stale`` (matched as nothing) until the resync that follows.
+
+Two decoders give the same events: ``decode_batch``, the reference (msgpack, every field, checked event
+by event), and ``decode_runs``, what the gateway applies (msgspec typed to the fields kvgate reads, events
+merged into runs applied with one set operation each), which hands any payload it does not decode
+exactly to the reference.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import msgpack
 
 from kvgate.router.index import PrefixIndex, Tier, tier_of
 from kvgate.router.types import WorkerId
+
+try:
+    from msgspec import Meta, Struct
+    from msgspec import __version__ as _MSGSPEC_VERSION
+    from msgspec.msgpack import Decoder
+except ImportError:  # pragma: no cover - an environment installed before msgspec was a dependency
+    _HAVE_MSGSPEC = False
+else:
+    _HAVE_MSGSPEC = True
 
 
 class BadEvent(ValueError):
@@ -99,9 +113,13 @@ def _event(raw: Any) -> Event | None:
 
 
 def decode_batch(payload: bytes) -> list[Event]:
+    """The reference decoder: every field as msgpack gives it, then checked event by event."""
     try:
-        batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except (ValueError, msgpack.UnpackException) as exc:
+        # Strings are not checked as UTF-8: the fast decoder skips the fields kvgate does not read (token
+        # ids, LoRA names), so garbage there must not cost a batch here either; a garbled ``type`` or
+        # ``medium`` still matches nothing.
+        batch = msgpack.unpackb(payload, raw=False, strict_map_key=False, unicode_errors="surrogateescape")
+    except Exception as exc:  # hostile bytes raise more than ValueError (a map keyed by a map: TypeError)
         raise BadEvent(f"not msgpack: {exc}") from exc
     if not isinstance(batch, list | tuple) or len(batch) < 2 or not isinstance(batch[1], list | tuple):
         raise BadEvent("a batch is [ts, [events...], dp_rank]")
@@ -111,6 +129,110 @@ def decode_batch(payload: bytes) -> list[Event]:
         if ev is not None:
             out.append(ev)
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Consecutive events of one kind and tier, their hashes in order: applied to the index in one set
+    operation (merging keeps the outcome: set updates of one kind commute, and a removal's unknown
+    blocks count the same whether removed one event at a time or all at once)."""
+
+    kind: Literal["store", "remove", "clear"]
+    tier: Tier | None
+    hashes: tuple[int, ...]
+    events: int
+
+
+def runs_of(events: Iterable[Event]) -> list[Run]:
+    """The reference events grouped as the fast decoder groups them."""
+    out: list[Run] = []
+    for ev in events:
+        kind: Literal["store", "remove", "clear"] = ("store" if isinstance(ev, Stored) else
+                                                     "remove" if isinstance(ev, Removed) else "clear")
+        tier = None if isinstance(ev, Cleared) else ev.tier
+        hashes = () if isinstance(ev, Cleared) else ev.hashes
+        if out and out[-1].kind == kind and out[-1].tier == tier:
+            last = out.pop()
+            out.append(Run(kind, tier, last.hashes + hashes, last.events + 1))
+        else:
+            out.append(Run(kind, tier, hashes, 1))
+    return out
+
+
+_TIER: dict[str | None, Tier] = {None: "GPU", "GPU": "GPU", "CPU": "CPU", "CPU_PINNED": "CPU"}
+"""``medium`` -> tier, as ``_MEDIA`` then ``tier_of`` read it (the fast decoder has only strings or None)."""
+
+
+if _HAVE_MSGSPEC:
+    # Typed to what kvgate reads: msgspec skips token ids and every other field in C instead of building
+    # Python objects for them (vLLM sends 16 token ids and 11 keys with every stored block). A payload
+    # these types do not describe exactly is left to the reference decoder, which has the last word.
+    _Hashes = Annotated[list[int], Meta(min_length=1)]
+
+    class _WireStored(Struct, tag="BlockStored", tag_field="type"):
+        block_hashes: _Hashes
+        parent_block_hash: int | None = None
+        """Not used: typed so that a batch the reference rejects for it is not accepted here."""
+        medium: str | None = None
+
+    class _WireRemoved(Struct, tag="BlockRemoved", tag_field="type"):
+        block_hashes: _Hashes
+        medium: str | None = None
+
+    class _WireCleared(Struct, tag="AllBlocksCleared", tag_field="type"):
+        pass
+
+    class _WireBatch(Struct, array_like=True):
+        ts: float
+        events: list[_WireStored | _WireRemoved | _WireCleared]
+        dp_rank: int | None = None
+
+    _DECODER = Decoder(_WireBatch)
+    """Stateless: holds only the type it decodes."""
+
+
+def _wire_runs(events: list[_WireStored | _WireRemoved | _WireCleared]) -> list[Run]:
+    out: list[Run] = []
+    kind: Literal["store", "remove", "clear"] | None = None
+    tier: Tier | None = None
+    hashes: list[int] = []
+    n = 0
+    for ev in events:
+        if type(ev) is _WireCleared:
+            k: Literal["store", "remove", "clear"] = "clear"
+            t: Tier | None = None
+        else:
+            t = _TIER.get(ev.medium)  # type: ignore[union-attr]
+            if t is None:
+                continue  # a tier kvgate does not track
+            k = "store" if type(ev) is _WireStored else "remove"
+        if k != kind or t != tier:
+            if kind is not None:
+                out.append(Run(kind, tier, tuple(hashes), n))
+            kind, tier, hashes, n = k, t, [], 0
+        if k != "clear":
+            hashes += ev.block_hashes  # type: ignore[union-attr]
+        n += 1
+    if kind is not None:
+        out.append(Run(kind, tier, tuple(hashes), n))
+    return out
+
+
+def fast_decoder() -> str:
+    """What ``decode_runs`` decodes with (for benchmarks and logs)."""
+    return f"msgspec {_MSGSPEC_VERSION}" if _HAVE_MSGSPEC else "none: msgspec is not installed, the reference decodes"
+
+
+def decode_runs(payload: bytes) -> list[Run]:
+    """``runs_of(decode_batch(payload))``, fast for the batches engines send; raises ``BadEvent`` alike."""
+    if _HAVE_MSGSPEC:
+        try:
+            batch = _DECODER.decode(payload)
+        except Exception:  # malformed for these types (or too deep): the reference has the last word
+            pass
+        else:
+            return _wire_runs(batch.events)
+    return runs_of(decode_batch(payload))
 
 
 @dataclass(slots=True)
@@ -161,6 +283,8 @@ class KvEventState:
     stats: EventStats = field(default_factory=EventStats)
     on_stored: Callable[[WorkerId, tuple[int, ...]], None] | None = None
     """Told of every block a worker reports stored (its prompts in flight have arrived)."""
+    reference: bool = False
+    """Decode and apply event by event (``decode_batch``): what the fast path is tested against."""
     _streams: dict[WorkerId, _Stream] = field(default_factory=dict)
 
     def add_worker(self, worker: WorkerId) -> None:
@@ -290,6 +414,32 @@ class KvEventState:
             st.replaying_from, st.held, st.warm, st.stale = None, None, False, False
 
     def _apply(self, worker: WorkerId, payload: bytes) -> None:
+        if self.reference:
+            self._apply_reference(worker, payload)
+            return
+        try:
+            runs = decode_runs(payload)
+        except BadEvent:
+            self.stats.malformed += 1
+            return
+        self.stats.batches += 1
+        for run in runs:
+            self._apply_run(worker, run)
+
+    def _apply_run(self, worker: WorkerId, run: Run) -> None:
+        if run.kind == "clear":
+            self.index.clear(worker)
+        elif run.tier is None:  # pragma: no cover - only clears have no tier
+            raise AssertionError(run)
+        elif run.kind == "store":
+            self.index.store(worker, run.hashes, run.tier)
+            if self.on_stored is not None:
+                self.on_stored(worker, run.hashes)
+        else:
+            self.stats.unknown_removals += len(run.hashes) - self.index.remove(worker, run.hashes, run.tier)
+        self.stats.applied += run.events
+
+    def _apply_reference(self, worker: WorkerId, payload: bytes) -> None:
         try:
             events = decode_batch(payload)
         except BadEvent:
