@@ -33,5 +33,5 @@ def test_quick_bench_prints_both_tables(capsys: pytest.CaptureFixture[str]) -> N
     route = _rows(out, "Routing a known conversation")
     assert [r[0] for r in route] == ["2,000", "8,000", "32,000"]
     for r in route:
-        assert len(r) == 8 and all(_number(c) > 0 for c in r[1:7]), r
-        assert r[7] == "≤ 1 ms p99"
+        assert len(r) == 10 and all(_number(c) > 0 for c in r[1:9]), r
+        assert r[9] == "≤ 1 ms p99"
