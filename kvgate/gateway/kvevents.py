@@ -12,7 +12,6 @@ worker restart (``request_resync``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Iterator
 from urllib.parse import urlparse
@@ -27,6 +26,7 @@ from zmq.utils.monitor import parse_monitor_message
 from kvgate.config import WorkerConfig
 from kvgate.router.kvevents import KvEventState
 from kvgate.router.types import WorkerId
+from kvgate.tasks import cancel_and_wait, stopping
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,9 @@ class KvEventSubscriber:
 
     async def _resolve_later(self, w: WorkerConfig) -> None:
         wait = _RETRY_S[0]
-        while True:
+        # httpx can turn a cancel that arrives mid-connect into ConnectError (_NotUp here): the loop
+        # would ask on for ever if it did not check that it was told to stop.
+        while not stopping():
             await asyncio.sleep(wait)
             wait = min(_RETRY_S[1], wait * 2)
             try:
@@ -195,10 +197,7 @@ class KvEventSubscriber:
         task = self._tasks.pop(wid, None)
         self.endpoints.pop(wid, None)
         self._resync_wanted.discard(wid)
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(task)
         self.state.remove_worker(wid)
 
     async def _run(self, wid: WorkerId, endpoint: str, replay: str | None) -> None:
@@ -211,7 +210,7 @@ class KvEventSubscriber:
         poller.register(sock, zmq.POLLIN)
         poller.register(mon, zmq.POLLIN)
         try:
-            while True:
+            while not stopping():  # a replay's awaits may swallow a cancel (caught as a failed replay)
                 ready = dict(await poller.poll(_POLL_MS))
                 resync = False
                 if mon in ready:
@@ -289,9 +288,7 @@ class KvEventSubscriber:
             sock.close(0)
 
     async def stop(self) -> None:
-        for wid in list(self._tasks):
-            task = self._tasks.pop(wid)
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        await asyncio.gather(*(cancel_and_wait(t) for t in tasks))
         self._ctx.term()
