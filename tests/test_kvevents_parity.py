@@ -200,3 +200,27 @@ def test_hostile_payloads_are_counted_not_raised() -> None:
         s, _ = _apply(stream, ref)
         assert s.stats.batches + s.stats.malformed == len(stream)
         assert s.stats.malformed >= 8 and s.index.match([1, 2]) == {W: 2}
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+def test_engines_batches_take_the_fast_path(kind: str) -> None:
+    # What the simulator sends as each engine (salted chains, the host tier, evictions, a reset): the
+    # typed decoder must read every such batch itself, not leave it to the reference.
+    pytest.importorskip("msgspec")
+    from kvgate.sim.blockpool import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+    from kvgate.sim.kinds import KINDS, encode_batch
+
+    rng = random.Random(5)
+
+    def digest() -> Any:
+        return rng.randbytes(32)
+
+    first = BlockStored((digest(), digest()), None, tuple(range(32)), 16, extra_keys=("salt",))
+    events: list[KVEvent] = [first, BlockStored((digest(),), first.block_hashes[-1], tuple(range(16)), 16),
+                             BlockStored((digest(),), None, tuple(range(16)), 16, medium="CPU_PINNED"),
+                             BlockRemoved(first.block_hashes), BlockRemoved((digest(),), medium="CPU"),
+                             AllBlocksCleared()]
+    for n in range(1, len(events) + 1):
+        p = encode_batch(KINDS[kind], events[:n], 12.5)
+        kvevents._DECODER.decode(p)
+        assert decode_runs(p) == runs_of(decode_batch(p))
