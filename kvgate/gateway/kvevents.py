@@ -167,7 +167,7 @@ class KvEventSubscriber:
                 ep = await self._resolve(w)
             except _NotUp:
                 continue
-            if ep is not None:
+            if ep is not None and not stopping():  # an answer that raced the stop must not start a stream
                 log.info("worker %s: following its KV events at %s", w.id, ep[0])
                 self._tasks.pop(WorkerId(w.id), None)
                 self._follow(WorkerId(w.id), ep)
