@@ -226,7 +226,7 @@ class Gateway:
                                       Learned(settings.waits, settings.prefill), self.store, self.fleet, actions, m,
                                       wall, tick_s=settings.timer_tick_s, lease_s=settings.timer_lease_s,
                                       tracing=self.tracing, budgets=budgets)
-        self.policy_target = GatewayPolicy(self.cost, self.runtime)
+        self.policy_target = GatewayPolicy(self.cost, self.runtime, self.tiers)
         self.policy_sync = PolicySync(make_policy_store(settings), self.policy_target, self.policy_log)
         self.grouping = make_grouping(settings)
         self.recorder = recorder = Recorder(self.runtime, self.turns, self.tiers, m, self.policy.name, self.grouping)
