@@ -104,7 +104,8 @@ async def test_a_patched_rate_survives_learning_on_every_replica_until_cleared(m
             late = await start_server(create_app(settings))
             try:
                 lg = late.server.config.app.state.gateway
-                assert lg.cost.params.remote_load_gbps == 9.0 and lg.tiers.rate_sources()["remote_load_gbps"] == "operator"
+                assert lg.cost.params.remote_load_gbps == 9.0
+                assert lg.tiers.rate_sources()["remote_load_gbps"] == "operator"
                 await samples_after([lg])
                 assert lg.cost.params.remote_load_gbps == 9.0
             finally:

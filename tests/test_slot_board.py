@@ -133,13 +133,15 @@ async def test_garbled_entries_are_dropped_removed_and_counted() -> None:
         assert await r.hkeys(f"{prefix}slots") == [b"w0"]  # removed: the next reader does not meet them
         await b.read(["w0", *bad], now)
         assert b.corruption.counts["slot_estimate"] == len(bad)
-        # A key of another type: nothing read, counted, the next write cannot fix it but nothing breaks.
+        # A key of another type: nothing read, counted, deleted, so the next write lands.
         await r.delete(f"{prefix}slots")
         await r.set(f"{prefix}slots", b"x")
-        sync = SlotSync(b, lambda: [W("w0", SlotEstimate())], time.monotonic, time.time, "rA", 1.0)
+        w0 = W("w0", SlotEstimate(3, time.monotonic()))
+        sync = SlotSync(b, lambda: [w0], time.monotonic, time.time, "rA", 1.0)
         await sync.start()
-        await sync.stop()
         assert b.corruption.counts["slot_estimate"] == len(bad) + 1
+        await sync.stop()  # writes what it learned
+        assert (await b.read(["w0"], time.time()))["w0"][0] == 3
     finally:
         await r.delete(f"{prefix}slots")
         await r.aclose()

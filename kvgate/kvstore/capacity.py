@@ -11,7 +11,8 @@ A write replaces an entry only with a newer reading (a script compares the times
 learned late cannot put back a cap the fleet has moved past. Bounded: one field per worker, read only
 for the workers the reader has (``HMGET``), entries older than the TTL ignored and the key expires
 with its newest write. A value kvgate did not write (garbled, a cap out of range, a time in the
-future) is dropped, removed and counted (``kvstore/corrupt.py``, kind ``slot_estimate``).
+future) is dropped, removed and counted (``kvstore/corrupt.py``, kind ``slot_estimate``), and a key of another
+Redis type deleted.
 """
 
 from __future__ import annotations
@@ -116,10 +117,16 @@ class RedisSlotBoard:
             return {}
         try:
             raw = await self._r.hmget(self.key, list(workers))
-        except RedisError as exc:  # a wrong type included: nothing learned this round
-            if "WRONGTYPE" in str(exc):
-                self.corruption.found("slot_estimate", self.key, "not a hash")
-            raise
+        except RedisError as exc:
+            if "WRONGTYPE" not in str(exc):
+                raise
+            # Ours by its name, useless as it is, and it would fail every write: gone, the next write heals.
+            self.corruption.found("slot_estimate", self.key, "not a hash")
+            try:
+                await self._r.delete(self.key)
+            except RedisError:
+                pass
+            return {}
         out: dict[str, Entry] = {}
         for wid, value in zip(workers, raw, strict=True):
             if value is None:
