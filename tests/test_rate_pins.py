@@ -104,7 +104,8 @@ async def test_a_patched_rate_survives_learning_on_every_replica_until_cleared(m
             late = await start_server(create_app(settings))
             try:
                 lg = late.server.config.app.state.gateway
-                assert lg.cost.params.remote_load_gbps == 9.0
+                assert lg.policy_sync.version == 1, (lg.policy_sync.status(), lg.tiers.rate_sources())
+                assert lg.cost.params.remote_load_gbps == 9.0, (lg.tiers.pinned, lg.tiers.rate_sources())
                 assert lg.tiers.rate_sources()["remote_load_gbps"] == "operator"
                 await samples_after([lg])
                 assert lg.cost.params.remote_load_gbps == 9.0
@@ -118,6 +119,10 @@ async def test_a_patched_rate_survives_learning_on_every_replica_until_cleared(m
             await until(lambda: remote_everywhere(c.urls, LEARNED, "learned"))
             await samples_after(gws)
             assert await remote_everywhere(c.urls, LEARNED, "learned")
+            # With nothing pinned the document has no such section: a replica of the version before this
+            # one (which refuses a section it does not know) still applies every edit.
+            doc = (await gws[0].policy_sync.store.read()).doc
+            assert doc.version == 2 and "pinned" not in doc.sections
 
             # Out of range or not a number: refused whole, nothing pinned.
             for bad in ({"cost": {"remote_load_gbps": 0}}, {"pinned": {"remote_load_gbps": -1}},

@@ -14,7 +14,6 @@ replica applies and the learning on each (``gateway/tierview.py``) leaves the pa
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import replace
 from typing import Any
@@ -31,6 +30,10 @@ ATTEMPTS = 8
 """Compare-and-set attempts of one edit (each after re-reading the newer version that beat it)."""
 
 
+START_ATTEMPTS = 3
+"""Reads of the fleet's document before serving; the store down delays a start by at most this many timeouts."""
+
+
 class PolicySync:
     def __init__(self, store: PolicyStore, target: PolicyTarget, changes: PolicyLog, poll_s: float = 0.25) -> None:
         self.store = store
@@ -44,8 +47,14 @@ class PolicySync:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        with contextlib.suppress(StoreError):
-            await self.refresh()
+        # A read that timed out once (a busy Redis, 0.5 s) would have this replica serve its configuration's
+        # parameters, and ignore the operator's pins, for a poll: a few tries, then it starts anyway.
+        for attempt in range(START_ATTEMPTS):
+            try:
+                await self.refresh()
+                break
+            except StoreError as exc:
+                log.warning("policy store at start (try %d of %d): %s", attempt + 1, START_ATTEMPTS, exc)
         self._task = asyncio.create_task(self._poll(), name="kvgate-policy-sync")
 
     async def stop(self) -> None:
