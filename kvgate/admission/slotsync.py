@@ -22,6 +22,8 @@ from kvgate.tasks import cancel_and_wait, stopping
 
 log = logging.getLogger("kvgate.slots")
 
+START_ATTEMPTS = 3
+
 
 class HasSlots(Protocol):
     """A worker as the pool holds it (``gateway/workers.WorkerState``): its id and its learned cap."""
@@ -51,9 +53,14 @@ class SlotSync:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        """The fleet's caps before serving (advice: a store down delays nothing)."""
-        with contextlib.suppress(Exception):
-            await self.pull()
+        """The fleet's caps before serving: a few tries (one read that timed out would leave the caps unknown
+        for a whole health interval), then it serves anyway (advice: a store down delays it a little only)."""
+        for attempt in range(START_ATTEMPTS):
+            try:
+                await self.pull()
+                break
+            except Exception as exc:
+                log.warning("slot estimates at start (try %d of %d): %s", attempt + 1, START_ATTEMPTS, exc)
         self._task = asyncio.create_task(self._poll(), name="kvgate-slot-sync")
 
     async def stop(self) -> None:
