@@ -25,7 +25,7 @@ from starlette.requests import ClientDisconnect
 from kvgate.admission.budgets import TenantBudgets
 from kvgate.admission.capacity import model_capacity
 from kvgate.admission.gate import Admission
-from kvgate.admission.metrics import AdmissionCollector
+from kvgate.admission.metrics import AdmissionCollector, SlotSyncCollector
 from kvgate.admission.redis_store import RedisQuotaStore
 from kvgate.admission.slotsync import SlotSync
 from kvgate.admission.store import MemoryQuotaStore, QuotaStore
@@ -247,6 +247,8 @@ class Gateway:
             self.prefix.events.stats, {"precise": self.prefix.index, "approximate": self.prefix.approx.index},
             lambda: self.prompts.parity_failures))
         self.metrics.registry.register(PoolCollector(self.pool))
+        if self.slot_sync is not None:
+            self.metrics.registry.register(SlotSyncCollector(self.slot_sync))
         self.membership = None if settings.discovery is None else Membership(
             self.pool, self.subscriber, self.prefix, make_source(settings.discovery),
             settings.kv_events_sync_timeout_s, self.prompts.check_parity, settings.health_interval_s)

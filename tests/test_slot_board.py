@@ -98,6 +98,7 @@ async def test_a_replica_that_joins_admits_with_the_cap_the_others_learned(make_
             stack.push_async_callback(alone.stop)
             lg, ag = (x.server.config.app.state.gateway for x in (late, alone))
             assert lg.pool.get(wid).cap == 2 and lg.slot_sync.adopted == 1
+            assert "kvgate_slot_estimates_adopted_total 1.0" in (await h.get(late.url + "/metrics")).text
             assert ag.pool.get(wid).cap is None and ag.slot_sync is None
 
             # Its first three requests: two run, the third waits in its queue, the engine's queue stays empty.
