@@ -90,6 +90,22 @@ async def test_a_replica_that_joins_admits_with_the_cap_the_others_learned(make_
             await eventually(shared, timeout_s=5)
             await r.aclose()
         await eventually(lambda: all(g.pool.get(wid).running == 0 for g in gws), timeout_s=10)
+        # The engine idle now: no poll learns anything new.
+        r = aioredis.from_url(REDIS)
+        # A garbled entry: dropped and counted by the replicas that read it, and written again by one
+        # that knows the cap (the fleet does not wait for the engine's next saturation).
+        await r.hset(f"{prefix}slots", wid, b"99999999|nan|someone")
+
+        async def healed() -> bool:
+            v = await r.hget(f"{prefix}slots", wid)
+            return v is not None and v.startswith(b"2|")
+
+        await eventually(healed, timeout_s=5)
+        text = "".join([(await h.get(u + "/metrics")).text for u in c.urls])
+        found = [line for line in text.splitlines()
+                 if line.startswith('kvgate_store_corrupt_records_total{kind="slot_estimate"}')]
+        assert len(found) == 3 and sum(float(x.split()[-1]) for x in found) >= 1, found
+        await r.aclose()
 
         async with AsyncExitStack() as stack:
             late = await start_server(create_app(joiner(c, prefix, 3600)))

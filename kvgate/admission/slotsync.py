@@ -98,7 +98,14 @@ class SlotSync:
         workers = {w.id: w for w in self._workers()}
         wall = self._wall()
         shift = wall - self._now()
-        for wid, (cap, at, by) in (await self.board.read(list(workers), wall)).items():
+        got = await self.board.read(list(workers), wall)
+        for wid, mine in workers.items():
+            # Nothing usable there (removed as corrupt, expired, lost with Redis): what this replica knows is
+            # written again at the next round, so the fleet does not wait for the engine's next saturation.
+            e = mine.slots
+            if wid not in got and e.cap is not None and self._now() - e.saturated_at < self.board.ttl_s:
+                self._known.pop(wid, None)
+        for wid, (cap, at, by) in got.items():
             w = workers.get(wid)
             if w is None or by == self.replica:  # its own reading, back through another clock
                 continue

@@ -63,6 +63,9 @@ def parse(value: object, now: float) -> Entry | str:
 
 
 class SlotBoard(Protocol):
+    ttl_s: float
+    """A reading older than this is not used."""
+
     async def publish(self, readings: Mapping[str, Reading], by: str) -> None:
         """Raises RedisError: the caller counts it (a reading lost costs a joiner its warm start only)."""
         ...
