@@ -25,8 +25,9 @@ from starlette.requests import ClientDisconnect
 from kvgate.admission.budgets import TenantBudgets
 from kvgate.admission.capacity import model_capacity
 from kvgate.admission.gate import Admission
-from kvgate.admission.metrics import AdmissionCollector
+from kvgate.admission.metrics import AdmissionCollector, SlotSyncCollector
 from kvgate.admission.redis_store import RedisQuotaStore
+from kvgate.admission.slotsync import SlotSync
 from kvgate.admission.store import MemoryQuotaStore, QuotaStore
 from kvgate.clock import Clock, MonotonicClock
 from kvgate.config import GatewaySettings
@@ -62,7 +63,9 @@ from kvgate.gateway.turns import TurnService
 from kvgate.gateway.upstream import make_upstream
 from kvgate.gateway.workers import PoolCollector, WorkerPool
 from kvgate.grpc.server import start_grpc
+from kvgate.kvstore.capacity import RedisSlotBoard
 from kvgate.kvstore.conversations import ConversationStore, MemoryConversationStore
+from kvgate.kvstore.corrupt import Corruption
 from kvgate.kvstore.fleet import FleetStore, MemoryFleet
 from kvgate.kvstore.grouping import GroupingIndex, MemoryGroupingIndex, RedisGroupingIndex
 from kvgate.kvstore.health import HealthBoard, RedisHealthBoard
@@ -123,6 +126,16 @@ def make_routed_sync(settings: GatewaySettings, pool: WorkerPool, prefix: Prefix
 
     return RoutedSync(record, prefix, lambda: [w.id for w in pool.all()], blocks, clock.now, wall,
                       settings.routed_record_poll_s)
+
+
+def make_slot_sync(settings: GatewaySettings, pool: WorkerPool, clock: Clock, wall: Callable[[], float],
+                   corruption: Corruption) -> SlotSync | None:
+    """The engines' learned caps shared through the replicas' Redis, read before serving."""
+    if settings.session_store != "redis" or settings.admission.slot_share_ttl_s <= 0:
+        return None
+    board = RedisSlotBoard(settings.redis_url, settings.redis_prefix, settings.admission.slot_share_ttl_s,
+                           corruption, cluster=settings.redis_cluster)
+    return SlotSync(board, pool.all, clock.now, wall, pool.replica, settings.health_interval_s)
 
 
 def make_policy_store(settings: GatewaySettings) -> PolicyStore:
@@ -189,6 +202,7 @@ class Gateway:
         self.prefix = PrefixKnowledge(self.pool.spec, self.pool.specs, settings.approx_ttl_s,
                                       settings.inflight_ttl_s, self.pool.capacity_tokens)
         self.routed_sync = make_routed_sync(settings, self.pool, self.prefix, self.clock, wall)
+        self.slot_sync = make_slot_sync(settings, self.pool, self.clock, wall, self.store.corruption)
         self.subscriber = KvEventSubscriber(self.prefix.events, settings.workers, self.client,
                                             warm_start=settings.kv_events_warm_start)
         # A worker that restarted (or is back after being out) is expected to hold nothing until its
@@ -212,7 +226,7 @@ class Gateway:
                                       Learned(settings.waits, settings.prefill), self.store, self.fleet, actions, m,
                                       wall, tick_s=settings.timer_tick_s, lease_s=settings.timer_lease_s,
                                       tracing=self.tracing, budgets=budgets)
-        self.policy_target = GatewayPolicy(self.cost, self.runtime)
+        self.policy_target = GatewayPolicy(self.cost, self.runtime, self.tiers)
         self.policy_sync = PolicySync(make_policy_store(settings), self.policy_target, self.policy_log)
         self.grouping = make_grouping(settings)
         self.recorder = recorder = Recorder(self.runtime, self.turns, self.tiers, m, self.policy.name, self.grouping)
@@ -233,6 +247,8 @@ class Gateway:
             self.prefix.events.stats, {"precise": self.prefix.index, "approximate": self.prefix.approx.index},
             lambda: self.prompts.parity_failures))
         self.metrics.registry.register(PoolCollector(self.pool))
+        if self.slot_sync is not None:
+            self.metrics.registry.register(SlotSyncCollector(self.slot_sync))
         self.membership = None if settings.discovery is None else Membership(
             self.pool, self.subscriber, self.prefix, make_source(settings.discovery),
             settings.kv_events_sync_timeout_s, self.prompts.check_parity, settings.health_interval_s)
@@ -276,6 +292,8 @@ class Gateway:
         if self.routed_sync is not None:
             self.pool.on_restart(self.routed_sync.worker_restarted)
             await self.routed_sync.start()  # and the fleet's routes
+        if self.slot_sync is not None:
+            await self.slot_sync.start()  # and the engines' caps, so the first admissions do not over-admit
         self.pool.start()
         self.runtime.start()
         if self.admission is not None:
@@ -303,6 +321,8 @@ class Gateway:
         await self.policy_sync.store.close()
         if self.routed_sync is not None:
             await self.routed_sync.stop()
+        if self.slot_sync is not None:
+            await self.slot_sync.stop()
         await self.runtime.aclose()
         await asyncio.to_thread(self.requests.close)
         await self.tiers.aclose()

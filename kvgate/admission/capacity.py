@@ -62,3 +62,21 @@ def model_capacity(workers: list[int | None]) -> int | None:
             return None
         total += w
     return total
+
+
+def merge_slots(mine: SlotEstimate, theirs: SlotEstimate) -> SlotEstimate:
+    """This replica's estimate of a worker after reading another replica's: the more recent observation
+    wins (``mine`` on a tie).
+
+    Every replica polls the same engine, so two estimates are two readings of one quantity at different
+    times, and what an engine runs at once moves with its KV (a cap learned while KV was short, a probe
+    since that found room): the newest reading is the best one, as within one replica each poll that
+    learns replaces the last. The maximum of the replicas' caps would keep a cap the engine no longer
+    runs (over-admission, the failure sharing is meant to prevent); the minimum would keep one it has
+    outgrown. Taking the other's time with its cap also paces probing fleet-wide: a replica probes one
+    more slot only ``probe_after_s`` after the fleet last saw the engine saturated or probed it, so N
+    replicas probe no faster than one. Clocks differ by a little: near-simultaneous readings may be
+    ordered wrong, which the next saturated poll corrects."""
+    if theirs.cap is None or theirs.saturated_at <= mine.saturated_at:
+        return mine
+    return theirs

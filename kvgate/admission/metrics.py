@@ -9,6 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvgate.admission.gate import Admission
+from kvgate.admission.slotsync import SlotSync
 
 
 class AdmissionCollector(Collector):
@@ -30,3 +31,19 @@ class AdmissionCollector(Collector):
             b.add_metric([model], self._gate.busy(model))
         yield q
         yield b
+
+
+class SlotSyncCollector(Collector):
+    """How this replica's learned caps and the fleet's met (``admission/slotsync.py``)."""
+
+    def __init__(self, sync: SlotSync) -> None:
+        self._sync = sync
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._sync
+        yield CounterMetricFamily("kvgate_slot_estimates_published", "Learned engine caps this replica wrote "
+                                  "to the shared store.", value=s.published)
+        yield CounterMetricFamily("kvgate_slot_estimates_adopted", "Engine caps taken from another replica's "
+                                  "newer reading (a joiner's first ones before it serves).", value=s.adopted)
+        yield CounterMetricFamily("kvgate_slot_estimates_failures", "Rounds of sharing the learned caps that "
+                                  "failed (the store down: each replica learns its own).", value=s.failures)

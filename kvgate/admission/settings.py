@@ -50,6 +50,11 @@ class AdmissionSettings(BaseModel):
     counters (``admission/capacity.py``): until an engine has been seen with requests waiting, its cap is
     unknown and nothing waits for it. A model's requests beyond its workers' caps (less what other replicas
     run there) wait in this replica's fair queue."""
+    slot_share_ttl_s: float = Field(3600.0, ge=0)
+    """With ``session_store=redis``: the caps learned from the engines are shared by the replicas, so one
+    that joins admits with the fleet's caps from its first request (``kvstore/capacity.py``); a reading
+    older than this is not used (the engine behind the address may have changed). 0: each replica learns
+    its own."""
     fair_share: bool = True
     """While other tenants are active, a tenant holds at most its weighted share of a model's slots
     (``admission/slots.py``); off: any free slot goes to whoever is next in fair order."""

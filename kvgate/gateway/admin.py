@@ -77,7 +77,9 @@ def admin_routes(gw: Parts) -> APIRouter:
     def policy_view() -> dict[str, Any]:
         rt = gw.runtime
         return {"policy": gw.policy.name, "version": gw.policy_sync.version, "cost": gw.cost.params.model_dump(),
-                "waits": rt.learned.waits.params.model_dump(), "prefill": rt.controller.params.prefill.model_dump()}
+                "waits": rt.learned.waits.params.model_dump(), "prefill": rt.controller.params.prefill.model_dump(),
+                # Which learned cost parameters an operator pinned (a PATCH with null gives them back).
+                "rate_sources": gw.tiers.rate_sources()}
 
     def operator(request: Request) -> Principal:
         return require(gw.auth, request.headers, operator=True)

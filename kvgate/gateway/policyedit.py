@@ -1,6 +1,11 @@
 """Changing routing and session parameters at run time, shared by ``PATCH /admin/policy`` and the gRPC
 ``Policy.UpdatePolicy``: one validation (every new parameter set is checked whole, then all are swapped
-in at once, so no change is half-applied) and one bounded log of who changed what."""
+in at once, so no change is half-applied) and one bounded log of who changed what.
+
+Two cost parameters are also learned, the tier load rates (``gateway/tierview.py``, from LMCache's
+metrics). An operator's value for one of them pins it: it is kept in the ``pinned`` section of the policy
+(versioned and shared like every section), wins over what is learned on every replica, and holds until
+the operator clears it with a null; then each replica's learned value (else the configured one) is back."""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvgate.errors import BadRequest, UnprocessableEntity
 from kvgate.router.cost import CostModel, CostParams
@@ -30,6 +35,44 @@ real KV capacity, and exact as floats in the cost model's arithmetic."""
 MAX_ENTRIES = 1024
 """Entries of a map parameter (per-tool wait priors): each is a per-request lookup and lives in memory."""
 MAX_KEY_CHARS = 256
+
+
+LEARNED_RATES = ("cpu_load_gbps", "remote_load_gbps")
+"""Cost parameters kvgate learns at run time; an operator's value pins them (``RatePins``)."""
+
+
+class RatePins(BaseModel):
+    """The learned cost parameters an operator set: each wins over what is learned until cleared (null)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    cpu_load_gbps: float | None = Field(None, gt=0)
+    remote_load_gbps: float | None = Field(None, gt=0)
+
+
+OPTIONAL_SECTIONS: dict[str, type[BaseModel]] = {"pinned": RatePins}
+"""Sections a policy document leaves out while they hold nothing, so that a replica of an earlier
+version, which rejects a document with a section it does not know, applies every edit that pins
+nothing; a document without one means it is at its default (nothing pinned)."""
+
+
+def pin_rates(changes: Any) -> Any:
+    """An operator's edit with the learned rates it names pinned: a value is also put in ``pinned``, a null
+    only clears the pin (and is taken out of ``cost``, where null is no value). Anything malformed is
+    left as it is, for ``validate`` to answer."""
+    if not isinstance(changes, dict) or not isinstance(changes.get("cost"), dict) \
+            or not isinstance(changes.get("pinned", {}), dict):
+        return changes
+    cost, pins = dict(changes["cost"]), dict(changes.get("pinned", {}))
+    for k in LEARNED_RATES:
+        if k in cost:
+            pins[k] = cost[k]
+            if cost[k] is None:
+                del cost[k]
+    if not pins:
+        return changes
+    out = {k: v for k, v in changes.items() if k != "cost"}
+    return {**({"cost": cost} if cost else {}), **out, "pinned": pins}
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,21 +180,37 @@ class CostOnly:
         self.model.params = cast(CostParams, new["cost"])
 
 
+class RateSource(Protocol):
+    """Where the learned rates come from (``gateway/tierview.py``): it holds the pins and says what the
+    cost parameters are with them and with what it learned."""
+
+    pinned: RatePins
+
+    def rated(self, params: CostParams) -> CostParams: ...
+
+
 class GatewayPolicy:
     """A gateway's run-time parameters: its cost model, and its session runtime's tool-wait planning and
-    background prefill."""
+    background prefill; with ``rates``, the operator's pins of the learned rates too."""
 
-    def __init__(self, cost: CostModel, runtime: SessionRuntime) -> None:
-        self.cost, self.runtime = cost, runtime
+    def __init__(self, cost: CostModel, runtime: SessionRuntime, rates: RateSource | None = None) -> None:
+        self.cost, self.runtime, self.rates = cost, runtime, rates
 
     def current(self) -> dict[str, BaseModel]:
         rt = self.runtime
-        return {"cost": self.cost.params, "waits": rt.learned.waits.params, "prefill": rt.controller.params.prefill}
+        pinned = {} if self.rates is None else {"pinned": self.rates.pinned}
+        return {"cost": self.cost.params, "waits": rt.learned.waits.params, "prefill": rt.controller.params.prefill,
+                **pinned}
 
     def swap(self, new: dict[str, BaseModel]) -> None:
         rt = self.runtime
         if "cost" in new:
             self.cost.params = cast(CostParams, new["cost"])
+        if self.rates is not None and ("cost" in new or "pinned" in new):
+            if "pinned" in new:
+                self.rates.pinned = cast(RatePins, new["pinned"])
+            # The document's rates are its writer's (learned there); here they are pinned, else our own.
+            self.cost.params = self.rates.rated(self.cost.params)
         if "waits" in new:
             rt.learned.waits.params = cast(WaitParams, new["waits"])
         if "prefill" in new:

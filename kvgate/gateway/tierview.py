@@ -12,7 +12,10 @@
 - Pins (coordinator only): a parked conversation's chain is pinned in L2 while its reservation holds
   (``gateway/runtime.py``: granted within the tenant's parked-KV budget) and unpinned when it ends.
 - Load rates: the LMCache servers' own throughput histograms, scraped every ``tier_rates_interval_s``,
-  set the cost model's ``cpu_load_gbps`` / ``remote_load_gbps``.
+  set the cost model's ``cpu_load_gbps`` / ``remote_load_gbps`` — unless an operator pinned one
+  (``PATCH /admin/policy``; ``gateway/policyedit.RatePins``, shared by every replica): a pin wins over
+  what is learned, and learning sets the parameter again once the pin is cleared. Each parameter is
+  the pin, else this replica's learned value, else the configured one, and says which (``rate_sources``).
 
 Advisory throughout: a tier that fails looks empty (counted), and the request goes on.
 """
@@ -29,10 +32,11 @@ import httpx
 from prometheus_client import Counter, Gauge
 
 from kvgate.config import GatewaySettings
+from kvgate.gateway.policyedit import LEARNED_RATES, RatePins
 from kvgate.gateway.telemetry import GatewayMetrics
 from kvgate.kvstore.lmcache_coordinator import LMCacheCoordinator
 from kvgate.kvstore.tiers import LMCacheControl, RemoteTierProbe, TierOracle, TransferRates, scrape_rates
-from kvgate.router.cost import CostModel, with_measured_rates
+from kvgate.router.cost import CostModel, CostParams
 from kvgate.router.residency import Residency
 from kvgate.router.types import WorkerId
 
@@ -67,6 +71,10 @@ class TierView:
                 self.nodes_of.setdefault(w.lmcache_instance, set()).add(w.node or w.id)
         self.cost = cost
         self.rates = TransferRates()
+        self.pinned = RatePins()
+        """The operator's values of the learned rates (the fleet's policy document, ``gateway/policysync.py``)."""
+        self._learned: dict[str, float] = {}
+        """What this replica learned of each rate, pinned or not (a cleared pin falls back to it at once)."""
         self._rates_task: asyncio.Task[None] | None = None
         r = metrics.registry
         self.pins = Counter("kvgate_tier_pins", "L2 pins asked of LMCache's coordinator, by operation (pin, "
@@ -94,13 +102,32 @@ class TierView:
         await scrape_rates(self.rates, self.client, urls if urls is not None else sorted(
             {c.url for c in self.lmcache.values()}))
         cpu = self.rates.cpu.value
+        if cpu is not None and cpu > 0:
+            self._learned["cpu_load_gbps"] = cpu
         if self.cost is not None:
-            self.cost.params = with_measured_rates(self.cost.params, cpu, None)
+            self.cost.params = self.rated(self.cost.params)
+        # The L2 leg in series with the L1 leg as the cost model prices it: pinned, else learned.
         remote = self.rates.remote_gbps(self._cpu_gbps())
+        if remote is not None and remote > 0:
+            self._learned["remote_load_gbps"] = remote
         if self.cost is not None:
-            self.cost.params = with_measured_rates(self.cost.params, None, remote)
+            self.cost.params = self.rated(self.cost.params)
         self.learned.labels("cpu").set(cpu or 0.0)
         self.learned.labels("remote").set(remote or 0.0)
+
+    def rated(self, params: CostParams) -> CostParams:
+        """``params`` with each learned rate as the operator pinned it, else as learned here, else as
+        configured (what another replica learned is not ours to use: each scrapes the servers itself)."""
+        update = {}
+        for k in LEARNED_RATES:
+            pin = getattr(self.pinned, k)
+            update[k] = pin if pin is not None else self._learned.get(k, getattr(self.settings.cost, k))
+        return params.model_copy(update=update)
+
+    def rate_sources(self) -> dict[str, str]:
+        """Where each learned rate's value comes from now: ``operator``, ``learned`` or ``configured``."""
+        return {k: "operator" if getattr(self.pinned, k) is not None else "learned" if k in self._learned
+                else "configured" for k in LEARNED_RATES}
 
     async def tier_tokens(self, model: str, residency: Residency, tokens: Sequence[int] | None,
                           best_gpu_tokens: int, cache_salt: str | None = None) -> tuple[dict[str, int], int]:
@@ -175,7 +202,9 @@ class TierView:
                                                        "pins": c.stats.pins, "unpins": c.stats.unpins},
                 "lmcache": {w: {"up": x.breaker.up, "errors": x.breaker.errors, "prefetches": x.prefetches}
                             for w, x in self.lmcache.items()},
-                "learned_rates": self.rates.snapshot(self._cpu_gbps())}
+                "learned_rates": self.rates.snapshot(self._cpu_gbps()),
+                "load_rates": {k: {"gbps": getattr(self.cost.params if self.cost is not None else self.settings.cost,
+                                                   k), "source": src} for k, src in self.rate_sources().items()}}
 
     def _cpu_gbps(self) -> float:
         return self.cost.params.cpu_load_gbps if self.cost is not None else self.settings.cost.cpu_load_gbps

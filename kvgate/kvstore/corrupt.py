@@ -1,5 +1,5 @@
 """Corrupt values the shared stores found in Redis: each logged once, counted by key kind, and dropped
-or replaced by the store that found it (``redis_conversations.py``, ``redis_fleet.py``).
+or replaced by the store that found it (``redis_conversations.py``, ``redis_fleet.py``, ``capacity.py``).
 
 Redis is shared with whatever else can write to it (an operator's ``redis-cli``, a script, a bug in
 another version): a value kvgate cannot read is never a reason to fail a request, stop a background
@@ -18,7 +18,8 @@ from prometheus_client.registry import Collector
 
 log = logging.getLogger(__name__)
 
-KINDS = ("conversation", "response_id", "timer", "timer_token", "observation", "reservation", "parked")
+KINDS = ("conversation", "response_id", "timer", "timer_token", "observation", "reservation", "parked",
+         "slot_estimate")
 """Every kind of key kvgate's shared stores own (docs/hostile-input.md)."""
 
 
