@@ -237,6 +237,9 @@ def test_the_readme_recipe_gives_expected_equal_to_cached_with_events_and_a_toke
                 m = r.json()["choices"][0]["message"]
                 msgs += [{k: v for k, v in m.items() if v is not None}, {"role": "user", "content": f"then {turn}?"}]
             assert h.get(url + "/admin/conversations/demo/next-prefix").status_code == 200
+        # /ready needs a healthy worker, not its KV events: those follow at the subscriber's next ask.
+        while logs[0].read_text().count("following its KV events") < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
         gateway_log = logs[0].read_text()
         assert all(exp == got > 0 and reuse for exp, got, reuse in seen[1:]), (seen, gateway_log)
         # (Its workers' first checks failed, it started before them: warned as it should be.)

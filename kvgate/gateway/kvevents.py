@@ -33,8 +33,10 @@ log = logging.getLogger(__name__)
 _POLL_MS = 200
 """How often a quiet stream looks for a resync the health poll asked for."""
 
-_RETRY_S = (0.5, 30.0)
-"""``kv_events: auto`` on a worker not answering yet: first and longest wait between attempts to ask it."""
+_RETRY_S = (0.5, 5.0)
+"""``kv_events: auto`` on a worker not answering yet: first and longest wait between attempts to ask it.
+The ask is one small GET, so the cap is short: with 30 s a worker that came up was routed in approximate
+mode for up to 30 s after its first good health check."""
 
 
 class _NotUp(Exception):
