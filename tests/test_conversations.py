@@ -8,6 +8,7 @@ from array import array
 from dataclasses import replace
 
 from kvgate.clock import VirtualClock
+from kvgate.gateway.record import shared_prefix
 from kvgate.kvstore.conversations import MemoryConversationStore, held_bytes, record_bytes
 from kvgate.router.types import ConversationId, WorkerId
 from kvgate.session.conversation import Chain, Conversation, Limits, TurnRecord
@@ -148,3 +149,18 @@ async def test_the_store_counts_what_it_holds_after_reads_writes_and_drops() -> 
             t, id=cid, history=(*(cur.history if cur else ())[-6:], *t.history)))
     expect = sum(record_bytes(c)[0] + 200 + 100 * len(c.responses) for c, *_ in store._data.values())
     assert store.stats()["bytes"] == expect and expect <= 400_000
+
+
+def test_a_turn_keeps_the_records_own_messages_where_the_request_repeats_them() -> None:
+    """The history a turn records shares the messages the record already held (so the store measures only
+    the new ones): equal ones up to the first difference, then the request's own."""
+    held = ({"role": "system", "content": "s"}, {"role": "user", "content": "u1"},
+            {"role": "assistant", "content": "a"})
+    sent = [dict(m) for m in held] + [{"role": "user", "content": "u2"}]
+    out = shared_prefix(sent, held)
+    assert out == tuple(sent) and all(a is b for a, b in zip(out, held, strict=False)) and out[3] is sent[3]
+    edited = [dict(m) for m in held]
+    edited[1]["content"] = "u1 edited"
+    out = shared_prefix(edited, held)
+    assert out[0] is held[0] and out[1] is edited[1] and out[2] is edited[2]
+    assert shared_prefix(sent, ()) == tuple(sent)
