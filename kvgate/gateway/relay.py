@@ -8,6 +8,9 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import orjson
+
+from kvgate import safejson
 from kvgate.clock import Clock
 from kvgate.gateway.engine_ids import EngineIds
 from kvgate.gateway.exchange import Exchange, Usage
@@ -67,7 +70,7 @@ class Relay:
         turn = ex.prepared.turn
         if obj is not None and turn is not None and turn.strip_ids:
             ex.engine_ids = EngineIds.take(obj)
-            content = json.dumps(obj).encode()
+            content = safejson.dumps(obj)
         ex.prepared.trace.answered(ex)
         charge_completion(ex)
         await self.recorder.record(ex)
@@ -147,7 +150,7 @@ class Relay:
         # usage, and the reply of a chat turn it keeps.
         hide = ex.prepared.hide_usage
         if ex.ttft_s is not None and ex.prepared.turn is None and b'"usage"' not in ev.raw:
-            if ex.decode is not None and ev.data is not None and ev.data != "[DONE]":
+            if ex.decode is not None and ev.payload is not None and not ev.done:
                 ex.decode.token(self.clock.now())  # a chunk without usage after the first output: output
             return ev.raw
         obj = ev.json()
@@ -170,7 +173,7 @@ class Relay:
             ex.response_id = obj["id"]
         if ex.prepared.turn is not None and ex.prepared.turn.strip_ids:
             ex.engine_ids = EngineIds.take(obj, ex.engine_ids)
-            ev = SseEvent(b"data: " + json.dumps(obj).encode() + b"\n\n", None)
+            ev = SseEvent(b"data: " + safejson.dumps(obj) + b"\n\n", None)
         if ex.prepared.turn is not None and isinstance(choices, list):
             for ch in choices:  # with n > 1 each choice streams in its own chunks: keep choice 0's
                 if isinstance(ch, dict) and ch.get("index", 0) == 0:
@@ -184,7 +187,7 @@ class Relay:
         if hide and usage is not None:
             # continuous_usage_stats-style usage on a content chunk: strip just the field.
             obj.pop("usage", None)
-            return b"data: " + json.dumps(obj).encode() + b"\n\n"
+            return b"data: " + safejson.dumps(obj) + b"\n\n"
         return ev.raw
 
 
@@ -200,9 +203,12 @@ def _has_output(choice: Any) -> bool:
 
 def _loads(content: bytes) -> dict[str, Any] | None:
     try:
-        obj = json.loads(content)
-    except (ValueError, RecursionError):
-        return None
+        obj = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        try:  # what orjson refuses and the stdlib took (NaN): read as it always was
+            obj = json.loads(content)
+        except (ValueError, RecursionError):
+            return None
     return obj if isinstance(obj, dict) else None
 
 
