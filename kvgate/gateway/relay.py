@@ -86,18 +86,19 @@ class Relay:
         try:
             chunk: bytes | None = first
             while chunk is not None:
-                for ev in splitter.feed(chunk):
-                    out = self._inspect(ex, ev)
-                    if out is not None:
-                        yield out
+                # The events that arrived together leave together: one write to the client's socket, not
+                # one per event (over loopback a send costs about what relaying the event does), and no
+                # event waits for anything that had not arrived.
+                out = self._inspect_all(ex, splitter.feed(chunk))
+                if out:
+                    yield out
                 try:
                     chunk = await it.__anext__()
                 except StopAsyncIteration:
                     chunk = None
-            for ev in splitter.flush():
-                out = self._inspect(ex, ev)
-                if out is not None:
-                    yield out
+            out = self._inspect_all(ex, splitter.flush())
+            if out:
+                yield out
             outcome = "done"
         except Lost as exc:
             outcome = "failed"
@@ -143,6 +144,11 @@ class Relay:
         on, or None to drop it (usage the client did not ask for). For the endpoint picker, whose
         streams Envoy forwards."""
         return self._inspect(ex, ev)
+
+    def _inspect_all(self, ex: Exchange, events: list[SseEvent]) -> bytes:
+        if len(events) == 1:
+            return self._inspect(ex, events[0]) or b""
+        return b"".join(out for ev in events if (out := self._inspect(ex, ev)) is not None)
 
     def _inspect(self, ex: Exchange, ev: SseEvent) -> bytes | None:
         # Most events are one token of output: decoding their JSON only to forward them unchanged costs
