@@ -8,7 +8,8 @@ from array import array
 from dataclasses import replace
 
 from kvgate.clock import VirtualClock
-from kvgate.kvstore.conversations import MemoryConversationStore
+from kvgate.gateway.record import shared_prefix
+from kvgate.kvstore.conversations import MemoryConversationStore, held_bytes, record_bytes
 from kvgate.router.types import ConversationId, WorkerId
 from kvgate.session.conversation import Chain, Conversation, Limits, TurnRecord
 
@@ -107,3 +108,59 @@ async def test_the_byte_bound_bounds_what_the_records_really_hold() -> None:
     assert 0.5 * bound < held <= 1.1 * bound, held
     assert 10 <= store.stats()["conversations"] < 30
     assert await store.conversation_of("chatcmpl-0") is None and len(store._responses) == store.stats()["conversations"]
+
+
+def test_measuring_a_record_from_its_last_version_equals_measuring_it_afresh() -> None:
+    """The store measures a record from the memo of its previous version (only new parts are walked):
+    after random appends, evictions from the tuples' fronts, hashes added to the chain in place and
+    records dropped, that must give what measuring it with no memo gives, and bound the full walk."""
+    rng = random.Random(7)
+    limits = Limits(max_turns=5, max_exact=4, max_responses=3)
+    conv, memo = new("c"), None
+    for i in range(60):
+        if rng.random() < 0.1:
+            conv, memo = new("c"), None  # dropped and started again
+        msgs = tuple({"role": "user", "content": f"m{j} " * rng.randrange(1, 50)} for j in range(i % 7 + 1))
+        reply = {"role": "assistant", "content": "r" * rng.randrange(100)}
+        chain = like_a_turn(i, tokens=rng.randrange(32, 600)).chain if rng.random() < 0.7 else conv.chain
+        turn = TurnRecord(WorkerId(f"w{i % 3}"), "cost", i, 0, 1, 0.1, at=float(i))
+        conv = conv.with_turn(turn, limits).with_reply("m", msgs, reply, None, chain, f"r{i}", limits)
+        if conv.chain is not None and rng.random() < 0.3:  # routing fills in another identity's hashes
+            conv.chain.hashes[(32, "x", i)] = (32, [rng.randbytes(32)], [rng.getrandbits(63)])
+        size, memo = record_bytes(conv, memo)
+        assert size == record_bytes(conv)[0], i
+        assert size >= held_bytes(conv), i
+
+
+async def test_the_store_counts_what_it_holds_after_reads_writes_and_drops() -> None:
+    """``stats()["bytes"]`` is the sum of the records' sizes, each as measured afresh."""
+    store = MemoryConversationStore(VirtualClock(), max_bytes=400_000)
+    rng = random.Random(3)
+    for i in range(200):
+        cid = C(f"c{rng.randrange(12)}")
+        if rng.random() < 0.2:
+            await store.get(cid)
+            continue
+        if rng.random() < 0.05:
+            await store.delete(cid)
+            continue
+        t = like_a_turn(i, tokens=rng.randrange(50, 2_000))
+        await store.update(cid, lambda cur, t=t, cid=cid: replace(  # type: ignore[misc]
+            t, id=cid, history=(*(cur.history if cur else ())[-6:], *t.history)))
+    expect = sum(record_bytes(c)[0] + 200 + 100 * len(c.responses) for c, *_ in store._data.values())
+    assert store.stats()["bytes"] == expect and expect <= 400_000
+
+
+def test_a_turn_keeps_the_records_own_messages_where_the_request_repeats_them() -> None:
+    """The history a turn records shares the messages the record already held (so the store measures only
+    the new ones): equal ones up to the first difference, then the request's own."""
+    held = ({"role": "system", "content": "s"}, {"role": "user", "content": "u1"},
+            {"role": "assistant", "content": "a"})
+    sent = [dict(m) for m in held] + [{"role": "user", "content": "u2"}]
+    out = shared_prefix(sent, held)
+    assert out == tuple(sent) and all(a is b for a, b in zip(out, held, strict=False)) and out[3] is sent[3]
+    edited = [dict(m) for m in held]
+    edited[1]["content"] = "u1 edited"
+    out = shared_prefix(edited, held)
+    assert out[0] is held[0] and out[1] is edited[1] and out[2] is edited[2]
+    assert shared_prefix(sent, ()) == tuple(sent)

@@ -7,7 +7,6 @@ Nothing here writes conversation state: a request that fails later leaves its co
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -352,4 +351,7 @@ def _forward(body: dict[str, Any], token_ids: bool) -> tuple[bytes, bool, bool]:
             # kvgate needs usage for every response; the client did not ask, so keep it out of its stream.
             fwd["stream_options"] = {**opts, "include_usage": True}
             hide = True
-    return json.dumps(fwd).encode(), stream, hide
+    # Written again even where kvgate changed nothing (the raw bytes would save ~6 µs on a 33 kB body): the
+    # worker must read the document kvgate validated, not the client's text, whose duplicate keys an
+    # engine's parser may resolve otherwise than kvgate's did.
+    return safejson.dumps(fwd), stream, hide

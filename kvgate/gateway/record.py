@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -26,7 +27,7 @@ from kvgate.kvstore.conversations import StoreError
 from kvgate.kvstore.grouping import GroupingIndex
 from kvgate.session import regroup
 from kvgate.session.controller import Command
-from kvgate.session.conversation import Chain, Conversation, TurnRecord
+from kvgate.session.conversation import Chain, Conversation, Message, TurnRecord
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,8 @@ class Recorder:
                        residency=self.tiers.stored(base.residency, ex.node, p.prompt.length)
                        ).with_turn(turn, self.turns.limits)
         if p.turn is not None and ex.reply.complete:
-            conv = conv.with_reply(p.model, tuple(p.turn.canonical.messages), ex.reply.message(), p.turn.tools, chain,
+            history = shared_prefix(p.turn.canonical.messages, base.history)
+            conv = conv.with_reply(p.model, history, ex.reply.message(), p.turn.tools, chain,
                                    ex.response_id if p.store_response else None, self.turns.limits)
         return conv, ended.commands
 
@@ -187,3 +189,15 @@ class Recorder:
             if cache_lost and cache_cause:
                 self.metrics.tokens_lost.labels(cache_cause).inc(cache_lost)
         return _Loss(loss.lost, loss.cause, loss.detail, cache_lost, cache_cause)
+
+
+def shared_prefix(messages: Sequence[Message], held: tuple[Message, ...]) -> tuple[Message, ...]:
+    """``messages`` with the leading ones equal to the record's own history replaced by the record's
+    objects: the store then measures only the messages this turn added (it remembers its parts' sizes by
+    identity), and one copy of the history is kept instead of the request's parse of it."""
+    n = 0
+    for a, b in zip(messages, held, strict=False):
+        if a is not b and a != b:
+            break
+        n += 1
+    return (*held[:n], *messages[n:]) if n else tuple(messages)

@@ -8,6 +8,9 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import orjson
+
+from kvgate import safejson
 from kvgate.clock import Clock
 from kvgate.gateway.engine_ids import EngineIds
 from kvgate.gateway.exchange import Exchange, Usage
@@ -67,7 +70,7 @@ class Relay:
         turn = ex.prepared.turn
         if obj is not None and turn is not None and turn.strip_ids:
             ex.engine_ids = EngineIds.take(obj)
-            content = json.dumps(obj).encode()
+            content = safejson.dumps(obj)
         ex.prepared.trace.answered(ex)
         charge_completion(ex)
         await self.recorder.record(ex)
@@ -83,18 +86,19 @@ class Relay:
         try:
             chunk: bytes | None = first
             while chunk is not None:
-                for ev in splitter.feed(chunk):
-                    out = self._inspect(ex, ev)
-                    if out is not None:
-                        yield out
+                # The events that arrived together leave together: one write to the client's socket, not
+                # one per event (over loopback a send costs about what relaying the event does), and no
+                # event waits for anything that had not arrived.
+                out = self._inspect_all(ex, splitter.feed(chunk))
+                if out:
+                    yield out
                 try:
                     chunk = await it.__anext__()
                 except StopAsyncIteration:
                     chunk = None
-            for ev in splitter.flush():
-                out = self._inspect(ex, ev)
-                if out is not None:
-                    yield out
+            out = self._inspect_all(ex, splitter.flush())
+            if out:
+                yield out
             outcome = "done"
         except Lost as exc:
             outcome = "failed"
@@ -141,13 +145,18 @@ class Relay:
         streams Envoy forwards."""
         return self._inspect(ex, ev)
 
+    def _inspect_all(self, ex: Exchange, events: list[SseEvent]) -> bytes:
+        if len(events) == 1:
+            return self._inspect(ex, events[0]) or b""
+        return b"".join(out for ev in events if (out := self._inspect(ex, ev)) is not None)
+
     def _inspect(self, ex: Exchange, ev: SseEvent) -> bytes | None:
         # Most events are one token of output: decoding their JSON only to forward them unchanged costs
         # more CPU than the rest of the relay. Decode only what kvgate needs: the first output (TTFT),
         # usage, and the reply of a chat turn it keeps.
         hide = ex.prepared.hide_usage
         if ex.ttft_s is not None and ex.prepared.turn is None and b'"usage"' not in ev.raw:
-            if ex.decode is not None and ev.data is not None and ev.data != "[DONE]":
+            if ex.decode is not None and ev.payload is not None and not ev.done:
                 ex.decode.token(self.clock.now())  # a chunk without usage after the first output: output
             return ev.raw
         obj = ev.json()
@@ -170,7 +179,7 @@ class Relay:
             ex.response_id = obj["id"]
         if ex.prepared.turn is not None and ex.prepared.turn.strip_ids:
             ex.engine_ids = EngineIds.take(obj, ex.engine_ids)
-            ev = SseEvent(b"data: " + json.dumps(obj).encode() + b"\n\n", None)
+            ev = SseEvent(b"data: " + safejson.dumps(obj) + b"\n\n", None)
         if ex.prepared.turn is not None and isinstance(choices, list):
             for ch in choices:  # with n > 1 each choice streams in its own chunks: keep choice 0's
                 if isinstance(ch, dict) and ch.get("index", 0) == 0:
@@ -184,7 +193,7 @@ class Relay:
         if hide and usage is not None:
             # continuous_usage_stats-style usage on a content chunk: strip just the field.
             obj.pop("usage", None)
-            return b"data: " + json.dumps(obj).encode() + b"\n\n"
+            return b"data: " + safejson.dumps(obj) + b"\n\n"
         return ev.raw
 
 
@@ -200,9 +209,12 @@ def _has_output(choice: Any) -> bool:
 
 def _loads(content: bytes) -> dict[str, Any] | None:
     try:
-        obj = json.loads(content)
-    except (ValueError, RecursionError):
-        return None
+        obj = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        try:  # what orjson refuses and the stdlib took (NaN): read as it always was
+            obj = json.loads(content)
+        except (ValueError, RecursionError):
+            return None
     return obj if isinstance(obj, dict) else None
 
 

@@ -1,4 +1,7 @@
-"""Server-sent events, split as they arrive so each event is forwarded the moment it is complete."""
+"""Server-sent events, split as they arrive so each event is forwarded the moment it is complete.
+
+Kept as bytes: an event is found by its blank line and its ``data:`` lines are sliced out of it, never
+decoded to text; its JSON is parsed (orjson) only when the relay reads it."""
 
 from __future__ import annotations
 
@@ -6,21 +9,37 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
+_DONE = b"[DONE]"
+
 
 @dataclass(frozen=True, slots=True)
 class SseEvent:
     raw: bytes
     """The event's bytes including its terminating blank line, forwarded unchanged."""
-    data: str | None
+    payload: bytes | None
     """The joined ``data:`` lines, or None for comments and other fields."""
 
+    @property
+    def data(self) -> str | None:
+        return None if self.payload is None else self.payload.decode("utf-8", errors="replace")
+
+    @property
+    def done(self) -> bool:
+        return self.payload == _DONE
+
     def json(self) -> dict[str, Any] | None:
-        if self.data is None or self.data == "[DONE]":
+        if self.payload is None or self.payload == _DONE:
             return None
         try:
-            obj = json.loads(self.data)
-        except json.JSONDecodeError:
-            return None
+            obj = orjson.loads(self.payload)
+        except orjson.JSONDecodeError:
+            # What orjson refuses and the stdlib took (NaN, invalid UTF-8 replaced): read as it always was.
+            try:
+                obj = json.loads(self.payload.decode("utf-8", errors="replace"))
+            except (ValueError, RecursionError):
+                return None
         return obj if isinstance(obj, dict) else None
 
 
@@ -29,14 +48,19 @@ class SseSplitter:
         self._buf = b""
 
     def feed(self, chunk: bytes) -> list[SseEvent]:
-        self._buf += chunk.replace(b"\r\n", b"\n")
+        # A CRLF split across two chunks is joined before it is replaced: the buffer keeps a trailing CR.
+        buf = self._buf + chunk
+        if b"\r" in buf:
+            buf = buf.replace(b"\r\n", b"\n")
         out = []
+        start = 0
         while True:
-            i = self._buf.find(b"\n\n")
+            i = buf.find(b"\n\n", start)
             if i < 0:
                 break
-            raw, self._buf = self._buf[: i + 2], self._buf[i + 2 :]
-            out.append(_parse(raw))
+            out.append(_parse(buf[start:i + 2]))
+            start = i + 2
+        self._buf = buf[start:] if start else buf
         return out
 
     def flush(self) -> list[SseEvent]:
@@ -45,11 +69,12 @@ class SseSplitter:
 
 
 def _parse(raw: bytes) -> SseEvent:
-    data_lines = []
-    for line in raw.decode("utf-8", errors="replace").split("\n"):
-        if line.startswith("data:"):
-            data_lines.append(line[5:].removeprefix(" "))
-    return SseEvent(raw, "\n".join(data_lines) if data_lines else None)
+    if raw.startswith(b"data:") and raw.find(b"\n", 0, len(raw) - 2) < 0:
+        # One data line, what engines send: sliced, not split.
+        end = len(raw) - 2 if raw.endswith(b"\n\n") else len(raw.rstrip(b"\n"))
+        return SseEvent(raw, raw[6 if raw.startswith(b"data: ") else 5:end])
+    data_lines = [line[5:].removeprefix(b" ") for line in raw.split(b"\n") if line.startswith(b"data:")]
+    return SseEvent(raw, b"\n".join(data_lines) if data_lines else None)
 
 
 def error_event(message: str, code: int = 502) -> bytes:

@@ -29,7 +29,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError, ResponseError
 
 from kvgate.kvstore.codec import CodecError, decode, encode_body, encode_head, with_body
-from kvgate.kvstore.conversations import UNREAD, StoreError, Updater, held_bytes
+from kvgate.kvstore.conversations import UNREAD, Memo, StoreError, Updater, record_bytes
 from kvgate.kvstore.corrupt import Corruption
 from kvgate.router.types import ConversationId
 from kvgate.session.conversation import Conversation
@@ -108,7 +108,7 @@ class RedisConversationStore:
         self._cas = self._r.register_script(_CAS)
         self._retries = max_retries
         self._max_cached = cached_bodies
-        self._bodies: OrderedDict[ConversationId, tuple[Conversation, int]] = OrderedDict()
+        self._bodies: OrderedDict[ConversationId, tuple[Conversation, int, Memo]] = OrderedDict()
         """The last record this replica read or wrote with its body and the bytes it holds, by
         conversation (LRU, bounded by count and by bytes): its body is reused while the body generation
         in Redis is the same."""
@@ -187,9 +187,11 @@ class RedisConversationStore:
         return _Read(token, None, reason)
 
     def _remember(self, conv: Conversation) -> None:
+        prev = self._bodies.get(conv.id)
         self._forget(conv.id)
-        size = held_bytes(conv)
-        self._bodies[conv.id] = (conv, size)
+        # A record written here is built on the one cached: only what the turn added is measured.
+        size, memo = record_bytes(conv, prev[2] if prev is not None else None)
+        self._bodies[conv.id] = (conv, size, memo)
         self._cached_bytes += size
         while self._bodies and (len(self._bodies) > self._max_cached or self._cached_bytes > self._max_cached_bytes):
             self._forget(next(iter(self._bodies)))
