@@ -259,6 +259,27 @@ async def test_policy_updates_are_validated_like_http_and_logged_with_who(make_c
     await ch.close()
 
 
+async def test_a_rate_pinned_over_grpc_is_cleared_over_grpc(make_cluster: Any) -> None:
+    c, ch = await cluster(make_cluster)
+    pol = pgrpc.PolicyStub(ch)
+    async with httpx.AsyncClient() as h:
+        await pol.UpdatePolicy(ppb.UpdatePolicyRequest(cost=ppb.CostParams(remote_load_gbps=9)), timeout=5)
+        got = (await h.get(c.url + "/admin/policy")).json()
+        assert got["rate_sources"]["remote_load_gbps"] == "operator" and got["cost"]["remote_load_gbps"] == 9
+        for bad in (["decode_ms"], ["remote_load_gbps", "x" * 10_000]):
+            err = await rpc_error(pol.UpdatePolicy(ppb.UpdatePolicyRequest(clear_pins=bad), timeout=5))
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert trailing(err)["kvgate-error-param"] == "clear_pins"
+        err = await rpc_error(pol.UpdatePolicy(ppb.UpdatePolicyRequest(
+            cost=ppb.CostParams(remote_load_gbps=3), clear_pins=["remote_load_gbps"]), timeout=5))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT  # pin and clear the same rate: which one?
+        assert (await h.get(c.url + "/admin/policy")).json() == got  # nothing half-applied
+        ok = await pol.UpdatePolicy(ppb.UpdatePolicyRequest(clear_pins=["remote_load_gbps"]), timeout=5)
+        assert ok.state.cost.remote_load_gbps != 9
+        assert (await h.get(c.url + "/admin/policy")).json()["rate_sources"]["remote_load_gbps"] != "operator"
+    await ch.close()
+
+
 async def test_fleet_lists_workers_with_load_index_and_event_streams(make_cluster: Any) -> None:
     c, ch = await cluster(make_cluster)
     r = await chat(c, "conv-f", [{"role": "user", "content": "index me " * 50}])

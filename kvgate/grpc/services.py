@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 import grpc
 
 from kvgate.errors import BadRequest, Conflict, NotFound
+from kvgate.gateway.policyedit import LEARNED_RATES
 from kvgate.grpc import explain as explain_mod
 from kvgate.grpc.auth import principal_of
 from kvgate.grpc.convert import change_pb, conversation_pb, cost_changes, cost_pb, worker_pb
@@ -108,9 +109,15 @@ class PolicyService(pgrpc.PolicyServicer):
         return self._state()
 
     async def UpdatePolicy(self, request: ppb.UpdatePolicyRequest, context: Context) -> ppb.UpdatePolicyResponse:
-        changes = cost_changes(request.cost)
+        changes: dict[str, float | int | None] = {**cost_changes(request.cost)}
 
         async def apply() -> ppb.UpdatePolicyResponse:
+            for name in request.clear_pins:
+                if name not in LEARNED_RATES or name in changes:
+                    raise BadRequest(f"clear_pins: {name[:64]!r} is not a pinnable rate left unset in cost "
+                                     f"(pinnable: {', '.join(LEARNED_RATES)})", param="clear_pins",
+                                     code="invalid_value")
+                changes[name] = None
             if not changes:
                 raise BadRequest("no cost field set: name the fields to change", param="cost", code="empty_update")
             change = await self.gw.policy_sync.publish({"cost": changes}, principal_of(context, self.gw.auth).name,

@@ -271,21 +271,30 @@ class UpdatePolicyRequest(_message.Message):
 
     COST_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    CLEAR_PINS_FIELD_NUMBER: _builtins.int
     reason: _builtins.str
     """Why, kept in the change log (free text, at most 1 KiB)."""
     @_builtins.property
     def cost(self) -> Global___CostParams:
         """The fields to change; fields not set keep their values."""
 
+    @_builtins.property
+    def clear_pins(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Learned parameters (cpu_load_gbps, remote_load_gbps) whose operator pin to clear, so that each
+        replica's learned value is used again: what `null` does in PATCH /admin/policy, which proto3 cannot
+        say in `cost`. Setting one of them in `cost` pins it.
+        """
+
     def __init__(
         self,
         *,
         cost: Global___CostParams | None = ...,
         reason: _builtins.str = ...,
+        clear_pins: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["cost", b"cost"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cost", b"cost", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["clear_pins", b"clear_pins", "cost", b"cost", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
