@@ -18,8 +18,7 @@ from kvgate.gateway.cardinality import NO_TENANT, OTHER
 from kvgate.gateway.telemetry import GatewayMetrics, kv_bytes_per_token
 from kvgate.serving import start_server
 from tests.conftest import MODEL, Cluster, free_port
-from tests.test_faults import start_sims
-from tests.test_gateway import eventually, metric
+from tests.helpers import eventually, metric, start_sims
 
 TINY_CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 128, "num_hidden_layers": 2,
                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "dtype": "bfloat16"}
