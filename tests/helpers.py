@@ -1,11 +1,14 @@
 """Helpers several test modules share: clients, metrics, polling and scripted agents against a cluster
-(tests/conftest.py), simulated worker processes, and stepping a simulated engine. Kept out of the test
-modules so importing one does not import another's tests."""
+(tests/conftest.py), simulated worker processes, stepping a simulated engine, API-key auth settings and a
+model directory with its config.json. Kept out of the test modules so importing one does not import
+another's tests."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -14,6 +17,7 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvgate.gateway.auth import key_hash
 from kvgate.sim.engine import EngineCore
 from tests.conftest import MODEL, Cluster, free_port
 
@@ -133,3 +137,29 @@ def run(c: EngineCore, now: float = 0.0) -> float:
         now += plan.duration_ms
         c.finish_step(plan, now)
     return now
+
+
+# API keys of tests/test_auth.py's gateways, also used by the endpoint picker's tenant tests.
+SECRET = "s3cret-salt-key"
+KEYS = {"key-a": ("A", "tenant"), "key-b": ("B", "tenant"), "key-ops": ("", "operator"), "key-none": ("A", "none")}
+
+
+def api_keys() -> list[dict[str, str]]:
+    return [{"sha256": key_hash(k), "tenant": t, "role": r, "name": k} for k, (t, r) in KEYS.items()]
+
+
+def auth(**kw: Any) -> dict[str, Any]:
+    return {"mode": "api_key", "api_keys": api_keys(), "cache_salt_secret": SECRET, **kw}
+
+
+TINY_CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 128, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "dtype": "bfloat16"}
+"""The tiny model's geometry as ``tinymodel.build_weights`` writes it for the real engine."""
+TINY_KV_BYTES = 2 * 2 * 2 * 32 * 2  # K and V x layers x KV heads x head dim x bfloat16
+
+
+def model_dir_with_config(model_dir: Path, out: Path) -> Path:
+    """The tokenizer plus the model's config.json, as a served model's directory has them."""
+    shutil.copytree(model_dir, out)
+    (out / "config.json").write_text(json.dumps(TINY_CONFIG))
+    return out
