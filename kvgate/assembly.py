@@ -9,7 +9,7 @@ import logging
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ from kvgate.errors import ApiError, error_body
 from kvgate.fronts.messages.routes import add_routes as add_messages_routes
 from kvgate.fronts.responses.routes import Deps as ResponsesDeps
 from kvgate.fronts.responses.routes import make_response_store, responses_routes
+from kvgate.fronts.responses.store import ResponseStore
 from kvgate.gateway.actions import GatewayActions
 from kvgate.gateway.admin import admin_routes
 from kvgate.gateway.auth import Authenticator
@@ -349,7 +350,19 @@ class Gateway:
 def create_app(settings: GatewaySettings, clock: Clock | None = None,
                stores: tuple[ConversationStore, FleetStore] | None = None, tracing: Tracing | None = None) -> FastAPI:
     gw = Gateway(settings, clock, stores, tracing)
+    # OpenAI Responses (kvgate/fronts/responses): over the chat pipeline, with its retrievable responses.
+    responses = make_response_store(settings, gw.clock)
+    app = FastAPI(title="kvgate", lifespan=make_lifespan(gw, responses))
+    app.state.gateway = gw
+    add_error_handlers(app)
+    add_inference_routes(app, gw)
+    add_probe_routes(app, gw)
+    app.include_router(responses_routes(gw.proxy, gw.auth, settings, ResponsesDeps(gw.store, responses)))
+    app.include_router(admin_routes(gw))
+    return app
 
+
+def make_lifespan(gw: Gateway, responses: ResponseStore) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await gw.start()
@@ -359,15 +372,14 @@ def create_app(settings: GatewaySettings, clock: Clock | None = None,
         try:
             yield
         finally:
-            await grpc_servers.stop(settings.drain_timeout_s)
+            await grpc_servers.stop(gw.settings.drain_timeout_s)
             await gw.stop()
             await responses.close()
 
-    # OpenAI Responses (kvgate/fronts/responses): over the chat pipeline, with its retrievable responses.
-    responses = make_response_store(settings, gw.clock)
-    app = FastAPI(title="kvgate", lifespan=lifespan)
-    app.state.gateway = gw
+    return lifespan
 
+
+def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
@@ -399,6 +411,10 @@ def create_app(settings: GatewaySettings, clock: Clock | None = None,
         return JSONResponse(error_body("Internal error in the gateway.", "internal_error", None, None),
                             status_code=500)
 
+
+def add_inference_routes(app: FastAPI, gw: Gateway) -> None:
+    """The OpenAI and Anthropic doors over the proxy (the Responses door is a router of its own)."""
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         return await gw.proxy.handle(request, "chat")
@@ -413,6 +429,10 @@ def create_app(settings: GatewaySettings, clock: Clock | None = None,
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [
             {"id": m, "object": "model", "created": 0, "owned_by": "kvgate"} for m in gw.pool.models()]}
+
+
+def add_probe_routes(app: FastAPI, gw: Gateway) -> None:
+    """What load balancers and Prometheus poll: liveness, readiness, metrics."""
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -431,7 +451,3 @@ def create_app(settings: GatewaySettings, clock: Clock | None = None,
         # grew with the sessions); active conversations come from a fixed-size sketch kept on the way.
         gw.refresh_gauges()
         return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    app.include_router(responses_routes(gw.proxy, gw.auth, settings, ResponsesDeps(gw.store, responses)))
-    app.include_router(admin_routes(gw))
-    return app

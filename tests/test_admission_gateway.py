@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 from kvgate.admission.gate import Admission
 from kvgate.router.types import ConversationId
 from tests.conftest import MODEL, Cluster
-from tests.test_gateway import eventually
+from tests.helpers import eventually
 
 REDIS = "redis://127.0.0.1:6379/0"
 SLOW = {"speed": 1.0, "profile": "cpu-tiny"}

@@ -23,17 +23,7 @@ from kvgate.grpc.gen.kvgate.v1 import fleet_pb2_grpc as fgrpc
 from kvgate.grpc.gen.kvgate.v1 import policy_pb2 as ppb
 from kvgate.grpc.gen.kvgate.v1 import policy_pb2_grpc as pgrpc
 from tests.conftest import MODEL, Cluster
-
-SECRET = "s3cret-salt-key"
-KEYS = {"key-a": ("A", "tenant"), "key-b": ("B", "tenant"), "key-ops": ("", "operator"), "key-none": ("A", "none")}
-
-
-def api_keys() -> list[dict[str, str]]:
-    return [{"sha256": key_hash(k), "tenant": t, "role": r, "name": k} for k, (t, r) in KEYS.items()]
-
-
-def auth(**kw: Any) -> dict[str, Any]:
-    return {"mode": "api_key", "api_keys": api_keys(), "cache_salt_secret": SECRET, **kw}
+from tests.helpers import KEYS, SECRET, auth
 
 
 async def chat(c: Cluster, key: str | None, conv: str = "c1", headers: dict[str, str] | None = None,

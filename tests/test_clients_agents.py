@@ -23,7 +23,7 @@ import openai
 import pytest
 
 from tests.conftest import MODEL, Cluster
-from tests.test_gateway import eventually
+from tests.helpers import eventually
 
 if TYPE_CHECKING:
     import httpx2  # the openai SDK's own httpx fork, which both frameworks' clients are built on

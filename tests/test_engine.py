@@ -2,6 +2,7 @@ from kvgate.router.hashing import VllmHasher
 from kvgate.sim.blockpool import BlockRemoved, BlockStored
 from kvgate.sim.engine import EngineCore, SimRequest, make_core
 from kvgate.sim.timing import TimingProfile, get_profile
+from tests.helpers import run
 
 PROFILE = TimingProfile(name="t", source="test", block_size=4, num_blocks=64, max_num_seqs=8,
                         max_num_batched_tokens=64, p0=1.0, p1=0.1, d0=1.0)
@@ -9,15 +10,6 @@ PROFILE = TimingProfile(name="t", source="test", block_size=4, num_blocks=64, ma
 
 def core(profile: TimingProfile = PROFILE, salt_seed: str = "0") -> EngineCore:
     return EngineCore(profile, VllmHasher(profile.block_size, seed=salt_seed))
-
-
-def run(c: EngineCore, now: float = 0.0) -> float:
-    while c.has_work():
-        plan = c.schedule()
-        assert plan.scheduled, "engine stalled"
-        now += plan.duration_ms
-        c.finish_step(plan, now)
-    return now
 
 
 def test_cached_tokens_follow_vllm_rules() -> None:

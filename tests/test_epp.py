@@ -19,7 +19,7 @@ from kvgate.grpc.gen.envoy.service.ext_proc.v3 import external_processor_pb2 as 
 from kvgate.grpc.gen.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as epgrpc
 from tests.conftest import MODEL, Cluster
 from tests.envoy import apply, destination, request_body, request_headers, response_body, response_headers
-from tests.test_gateway import eventually, metric
+from tests.helpers import eventually, metric
 
 SYSTEM = "You are a careful agent. " * 40
 CHAT = "/v1/chat/completions"

@@ -23,9 +23,8 @@ from kvgate.router.types import ConversationId
 from kvgate.serving import ServerHandle, start_server
 from tests.conftest import MODEL, Cluster
 from tests.envoy import Envoy, request_body, request_headers, response_headers
+from tests.helpers import auth, eventually
 from tests.test_admission_gateway import LONG, SLOW
-from tests.test_auth import auth
-from tests.test_gateway import eventually
 
 CHAT = "/v1/chat/completions"
 DATA_PLANE_TOKEN = "data-plane-token-0123456789"

@@ -36,7 +36,7 @@ from kvgate.grpc.gen.envoy.service.ext_proc.v3 import external_processor_pb2_grp
 from kvgate.serving import start_server
 from tests.conftest import MODEL, Cluster
 from tests.envoy import Envoy, destination, request_body, request_headers, response_body, response_headers
-from tests.test_gateway import eventually, metric
+from tests.helpers import eventually, metric
 
 CHAT = "/v1/chat/completions"
 TOKEN = "envoy-to-kvgate-0123456789abcdef"

@@ -17,18 +17,7 @@ from kvgate.serving import start_server
 from kvgate.sim.server import SimWorker
 from kvgate.sim.settings import SimSettings
 from tests.conftest import MODEL, free_port
-from tests.test_gateway import TOOLS, metric
-
-
-async def start_sims(spawn: Any, model_dir: Path, n: int, *extra: str) -> list[tuple[Any, str]]:
-    out = []
-    for _ in range(n):
-        port = free_port()
-        p = spawn("sim", "--port", str(port), "--model-dir", str(model_dir), *extra, env={"PYTHONHASHSEED": "0"})
-        out.append((p, f"http://127.0.0.1:{port}"))
-    for p, url in out:
-        await p.wait_http(url + "/health")
-    return out
+from tests.helpers import TOOLS, metric, start_sims
 
 
 async def test_worker_killed_between_turns_next_turn_served_elsewhere(spawn: Any, model_dir: Path) -> None:

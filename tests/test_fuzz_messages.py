@@ -1,5 +1,5 @@
 """Hostile input at the Messages door: derandomized structure-aware mutations of a valid tool-loop request
-(tests/test_fuzz.py's mutator and wire encodings) and hand-written edge cases (10,000 messages, deep
+(tests/httpfuzz/strategies.py's mutator and wire encodings) and hand-written edge cases (10,000 messages, deep
 nesting, unknown blocks, a tool result without its call). Every refusal is a 4xx in Anthropic's error shape
 that names the problem (never the proxy's catch-all), never a 5xx, and leaves no conversation behind."""
 
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from kvgate.fronts.messages.signing import Signer
 from kvgate.router.types import ConversationId
 from tests.conftest import MODEL, Cluster
-from tests.test_fuzz import drawn_bodies, nest
+from tests.httpfuzz.strategies import drawn_bodies, nest
 
 N_MUTATED = 400
 THOUGHT = "I should look at the failing test first."

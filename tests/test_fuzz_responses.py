@@ -1,5 +1,5 @@
 """Hostile input at the Responses door: derandomized structure-aware mutations of a valid tool-loop request
-(tests/test_fuzz.py's mutator and wire encodings) and hand-written edge cases (10,000 items, deep nesting,
+(tests/httpfuzz/strategies.py's mutator and wire encodings) and hand-written edge cases (10,000 items, deep nesting,
 unknown item and part types, encrypted reasoning, a tool output without its call, built-in tools). Every
 refusal is a 4xx in OpenAI's error shape that names the problem (never the proxy's catch-all), never a
 5xx, and leaves no conversation and no stored response behind; every 200 is a response (or a stream that
@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from kvgate.router.types import ConversationId
 from tests.conftest import MODEL, Cluster
-from tests.test_fuzz import drawn_bodies, nest
+from tests.httpfuzz.strategies import drawn_bodies, nest
 
 N_MUTATED = 400
 REASONING = {"type": "reasoning", "id": "rs_1", "summary": [],

@@ -2,45 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
-import time
 from typing import Any
 
 import httpx
-import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import MODEL, Cluster
-
-TOOLS = [{"type": "function", "function": {"name": "search", "description": "search the code",
-                                            "parameters": {"type": "object"}}}]
-
-
-def client(c: Cluster, **kw: Any) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=c.url + "/v1", api_key="unused", max_retries=0, **kw)
-
-
-async def metric(c: Cluster, name: str, **labels: str) -> float:
-    async with httpx.AsyncClient() as h:
-        text = (await h.get(c.url + "/metrics")).text
-    total = 0.0
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                total += s.value
-    return total
-
-
-async def eventually(pred: Any, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if await pred() if asyncio.iscoroutinefunction(pred) else pred():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("condition not met in time")
+from tests.conftest import MODEL
+from tests.helpers import client, eventually, metric, run_agent
 
 
 async def test_non_streaming_chat(make_cluster: Any) -> None:
@@ -71,28 +41,6 @@ async def test_streaming_hides_usage_the_client_did_not_ask_for(make_cluster: An
         model=MODEL, messages=[{"role": "user", "content": "hello"}], stream=True,
         stream_options={"include_usage": True}, extra_headers={"x-conversation-id": "s1"})]
     assert asked[-1].usage is not None and asked[-1].choices == []
-
-
-async def run_agent(oc: openai.AsyncOpenAI, conv: str | None, steps: int,
-                    headers: dict[str, str] | None = None) -> list[tuple[str, int, int]]:
-    """An agent loop: every step calls a tool and feeds its result back. Returns (worker, prompt, cached)."""
-    msgs: list[dict[str, Any]] = [{"role": "system", "content": "You are an agent. " * 40},
-                                  {"role": "user", "content": f"task for {conv}"}]
-    out = []
-    for i in range(steps):
-        raw = await oc.chat.completions.with_raw_response.create(
-            model=MODEL, messages=msgs, tools=TOOLS,  # type: ignore[arg-type]
-            extra_headers=headers or ({"x-conversation-id": conv} if conv else {}),
-            extra_body={"sim": {"tool_calls": 1, "reasoning_tokens": 30}})
-        r = raw.parse()
-        m = r.choices[0].message
-        assert m.tool_calls, "the scripted agent calls a tool every step"
-        msgs.append(m.model_dump(exclude_none=True))
-        msgs.append({"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": f"result {i} " * 30})
-        assert r.usage is not None
-        cached = r.usage.prompt_tokens_details.cached_tokens if r.usage.prompt_tokens_details else 0
-        out.append((raw.headers["x-kvgate-worker"], r.usage.prompt_tokens, cached or 0))
-    return out
 
 
 async def test_session_sticks_and_cached_tokens_grow(make_cluster: Any) -> None:

@@ -7,24 +7,12 @@ from typing import Any
 
 import httpx
 
-from tests.conftest import MODEL, Cluster
-from tests.test_gateway import TOOLS, eventually, metric
-
-
-async def chat(c: Cluster, conv: str, messages: list[dict[str, Any]], headers: dict[str, str] | None = None,
-               **extra: Any) -> httpx.Response:
-    body = {"model": MODEL, "messages": messages, "tools": TOOLS, **extra}
-    async with httpx.AsyncClient(timeout=30) as h:
-        return await h.post(c.url + "/v1/chat/completions", json=body,
-                            headers={"x-conversation-id": conv, **(headers or {})})
+from tests.conftest import MODEL
+from tests.helpers import TOOLS, chat, metric, ready
 
 
 def reuse(r: httpx.Response) -> dict[str, str]:
     return dict(kv.split("=", 1) for kv in r.headers["x-kvgate-prefix-reuse"].split("; "))
-
-
-async def ready(c: Cluster) -> None:
-    await eventually(lambda: len(c.gateway.prefix.events.workers()) == len(c.sims))
 
 
 async def test_reserialised_tool_arguments_are_restored_and_keep_the_cache(make_cluster: Any) -> None:

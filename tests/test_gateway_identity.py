@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import MODEL
-from tests.test_gateway import client, metric, run_agent
+from tests.helpers import client, metric, run_agent
 
 
 @pytest.mark.parametrize("header", ["x-claude-code-session-id", "session-id", "x-session-affinity"])
@@ -44,7 +44,7 @@ SYSTEM = {"role": "system", "content": "You are a coding agent with tools. " * 3
 
 async def agent_turns(oc: Any, msgs: list[dict[str, Any]], n: int, tag: str) -> list[tuple[str, str, str]]:
     """``n`` tool-calling turns of a keyless client; (worker, conversation id, source) of each."""
-    from tests.test_gateway import TOOLS
+    from tests.helpers import TOOLS
 
     out = []
     for i in range(n):

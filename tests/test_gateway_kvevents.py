@@ -9,8 +9,7 @@ from kvgate.router.types import WorkerId
 from kvgate.serving import start_server
 from kvgate.sim.server import SimWorker
 from tests.conftest import Cluster
-from tests.test_gateway import eventually, metric
-from tests.test_gateway_precise import agent_turns
+from tests.helpers import agent_turns, eventually, metric
 
 
 async def restart_in_place(c: Cluster, wid: str) -> None:

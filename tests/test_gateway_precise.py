@@ -10,29 +10,8 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import MODEL, Cluster
-from tests.test_gateway import TOOLS, client, eventually, metric
-
-
-async def agent_turns(c: Cluster, conv: str, steps: int, system: str = "You are an agent. " * 60,
-                      result_words: int = 80) -> list[tuple[str, str, int, int, int]]:
-    """(worker, reason, prompt, cached, expected) per step of an agent loop."""
-    oc = client(c)
-    msgs: list[dict[str, Any]] = [{"role": "system", "content": system}, {"role": "user", "content": f"task {conv}"}]
-    out = []
-    for i in range(steps):
-        raw = await oc.chat.completions.with_raw_response.create(
-            model=MODEL, messages=msgs, tools=TOOLS,  # type: ignore[arg-type]
-            extra_headers={"x-conversation-id": conv}, extra_body={"sim": {"tool_calls": 1, "reasoning_tokens": 40}})
-        r = raw.parse()
-        m = r.choices[0].message
-        msgs.append(m.model_dump(exclude_none=True))
-        msgs.append({"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": f"result {i} " * result_words})  # type: ignore[index]
-        assert r.usage is not None and r.usage.prompt_tokens_details is not None
-        out.append((raw.headers["x-kvgate-worker"], raw.headers["x-kvgate-route-reason"], r.usage.prompt_tokens,
-                    r.usage.prompt_tokens_details.cached_tokens or 0,
-                    int(raw.headers["x-kvgate-expected-cached-tokens"])))
-    return out
+from tests.conftest import MODEL
+from tests.helpers import agent_turns, client, eventually, metric
 
 
 async def test_precise_mode_follows_the_cache_and_predicts_it_exactly(make_cluster: Any) -> None:

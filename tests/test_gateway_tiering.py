@@ -14,8 +14,7 @@ from kvgate.session.controller import Reserve
 from kvgate.session.prefill import gain_tokens
 from kvgate.session.state import LAPSE, PREFETCH
 from tests.conftest import MODEL, Cluster, free_port
-from tests.test_gateway import TOOLS, eventually, metric
-from tests.test_gateway_history import chat, ready
+from tests.helpers import TOOLS, chat, eventually, metric, ready
 
 REDIS = "redis://127.0.0.1:6379/0"
 

@@ -27,7 +27,7 @@ from kvgate.grpc.gen.kvgate.v1 import routing_pb2 as rpb
 from kvgate.grpc.gen.kvgate.v1 import routing_pb2_grpc as rgrpc
 from kvgate.router.cost import CostParams
 from tests.conftest import MODEL, Cluster
-from tests.test_gateway import eventually, metric
+from tests.helpers import eventually, metric
 
 SYSTEM = "You are a coding agent working on a repository. " * 40
 

@@ -19,7 +19,7 @@ from kvgate.sim.server import SimWorker
 from kvgate.sim.settings import SimSettings
 from tests.conftest import MODEL, free_port
 from tests.dnsmasq import DOMAIN, Dnsmasq
-from tests.test_gateway import eventually, metric
+from tests.helpers import eventually, metric
 
 NAME = f"workers.{DOMAIN}"
 

@@ -12,8 +12,7 @@ import httpx
 import pytest
 
 from tests.conftest import MODEL, Cluster
-from tests.test_gateway import eventually
-from tests.test_responses import assert_losses_named
+from tests.helpers import assert_losses_named, eventually
 
 TOOLS: list[Any] = [{"name": "search", "description": "search the code",
                      "input_schema": {"type": "object", "properties": {"q": {"type": "string"}}}}]

@@ -13,8 +13,7 @@ import pytest
 from kvgate.router.types import ConversationId
 from kvgate.session.state import LAPSE, Reservation
 from tests.conftest import MODEL, Cluster
-from tests.test_gateway import eventually, metric
-from tests.test_gateway_history import ready
+from tests.helpers import eventually, metric, ready
 
 SYSTEM = "You are an agent. " * 40
 ANSWER = {"tool_calls": 0}

@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from tests.conftest import MODEL, Cluster, free_port
-from tests.test_telemetry import model_dir_with_config
+from tests.helpers import model_dir_with_config
 
 OBS = Path(__file__).resolve().parent.parent / "deploy" / "observability"
 RULE_FILES = sorted((OBS / "rules").glob("*.yml"))

@@ -19,7 +19,7 @@ from kvgate.serving import start_server
 from kvgate.sim.server import SimWorker
 from kvgate.sim.settings import SimSettings
 from tests.conftest import MODEL, free_port
-from tests.test_gateway import TOOLS
+from tests.helpers import TOOLS
 
 PREFILL_HOLD_S = 6.0
 

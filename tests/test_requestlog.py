@@ -12,7 +12,7 @@ import httpx
 
 from kvgate.gateway.requestlog import MAX_QUEUED_BYTES, RequestLog
 from tests.conftest import MODEL
-from tests.test_gateway import TOOLS, eventually
+from tests.helpers import TOOLS, eventually
 
 SECRET = "the secret word is xylophone"
 

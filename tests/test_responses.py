@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from tests.conftest import MODEL, Cluster
+from tests.helpers import assert_losses_named
 
 TOOLS: list[Any] = [{"type": "function", "name": "search", "description": "search the code",
                      "parameters": {"type": "object", "properties": {"query": {"type": "string"}}}}]
@@ -70,21 +71,6 @@ def assert_one_worker_growing(turns: list[tuple[str, int, int, int, Any]]) -> No
         assert ct == expected, (ct, expected)  # kvgate's expected == the engine's reported, every request
     for _, prompt, ct, _, _ in turns[1:]:
         assert prompt - ct < 128 + 40 + 60  # inside a tool chain nothing is dropped
-
-
-async def assert_losses_named(c: Cluster, conversation: str) -> None:
-    """Inside a tool chain the record names every lost token, and only the last partial block is lost."""
-    async with httpx.AsyncClient() as h:
-        turns = (await h.get(f"{c.url}/admin/conversations/{conversation}")).json()["turns"]
-    print("lost, cause, detail; cache-side lost, cause:",
-          [(t["lost_tokens"], t["loss_cause"], t["loss_detail"], t["cache_lost_tokens"], t["cache_loss_cause"])
-           for t in turns])
-    assert len(turns) >= 2
-    for prev, t in itertools.pairwise(turns):
-        # A previous reply that ended exactly on a block boundary leaves that block incomplete (no engine
-        # computes the KV of the last token it generates): partial-block loss, not a cache miss.
-        assert t["lost_tokens"] < 128 and t["loss_cause"] == ("block_alignment" if t["lost_tokens"] else None), t
-        assert t["cache_lost_tokens"] == 0 and t["cache_loss_cause"] is None, (prev, t)
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -6,7 +6,7 @@ from kvgate.router.hashing import VllmHasher
 from kvgate.sim.engine import EngineCore, SimRequest
 from kvgate.sim.tiers import EngineTiers, TierPool
 from kvgate.sim.timing import TimingProfile
-from tests.test_engine import run
+from tests.helpers import run
 
 # 4-token blocks, 8-token chunks (2 blocks), a 16-block GPU.
 PROFILE = TimingProfile(name="t", source="test", block_size=4, num_blocks=17, max_num_seqs=8,

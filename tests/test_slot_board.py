@@ -22,7 +22,7 @@ from kvgate.kvstore.capacity import RedisSlotBoard, parse
 from kvgate.kvstore.corrupt import Corruption
 from kvgate.serving import start_server
 from tests.conftest import MODEL, Cluster
-from tests.test_gateway import eventually
+from tests.helpers import eventually
 
 REDIS = "redis://127.0.0.1:6379/0"
 SLOW = {"speed": 1.0, "profile": "cpu-tiny", "max_num_seqs": 2}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 from pathlib import Path
 from typing import Any
@@ -18,20 +17,7 @@ from kvgate.gateway.cardinality import NO_TENANT, OTHER
 from kvgate.gateway.telemetry import GatewayMetrics, kv_bytes_per_token
 from kvgate.serving import start_server
 from tests.conftest import MODEL, Cluster, free_port
-from tests.test_faults import start_sims
-from tests.test_gateway import eventually, metric
-
-TINY_CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 128, "num_hidden_layers": 2,
-               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "dtype": "bfloat16"}
-"""The tiny model's geometry as ``tinymodel.build_weights`` writes it for the real engine."""
-TINY_KV_BYTES = 2 * 2 * 2 * 32 * 2  # K and V x layers x KV heads x head dim x bfloat16
-
-
-def model_dir_with_config(model_dir: Path, out: Path) -> Path:
-    """The tokenizer plus the model's config.json, as a served model's directory has them."""
-    shutil.copytree(model_dir, out)
-    (out / "config.json").write_text(json.dumps(TINY_CONFIG))
-    return out
+from tests.helpers import TINY_KV_BYTES, eventually, metric, model_dir_with_config, start_sims
 
 
 def test_kv_bytes_per_token_from_the_model_config(model_dir: Path, tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ from kvgate.session.prefill import PrefillParams
 from kvgate.sim.server import SimWorker
 from kvgate.sim.settings import SimSettings
 from tests.conftest import MODEL
-from tests.test_gateway import TOOLS, eventually
+from tests.helpers import TOOLS, eventually
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"

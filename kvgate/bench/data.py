@@ -7,7 +7,6 @@ source checkout, so the folder is found beside the package.
 from __future__ import annotations
 
 import gzip
-import shutil
 from pathlib import Path
 from typing import TextIO
 
@@ -27,15 +26,3 @@ def open_text(path: Path) -> TextIO:
 def read_text(path: Path) -> str:
     with open_text(path) as f:
         return f.read()
-
-
-def plain_copy(path: Path, out_dir: Path) -> Path:
-    """``path`` as an uncompressed file, for tools that read it themselves (Dynamo's replay)."""
-    if path.suffix != ".gz":
-        return path
-    out_dir.mkdir(parents=True, exist_ok=True)
-    dest = out_dir / path.name.removesuffix(".gz")
-    if not dest.exists() or dest.stat().st_mtime < path.stat().st_mtime:
-        with gzip.open(path, "rb") as src, open(dest, "wb") as dst:
-            shutil.copyfileobj(src, dst)
-    return dest

@@ -73,27 +73,36 @@ def agent_metrics(c: Conversation) -> dict[str, Any]:
 
 def admin_routes(gw: Parts) -> APIRouter:
     r = APIRouter(prefix="/admin")
+    add_policy_routes(r, gw)
+    add_tier_routes(r, gw)
+    add_worker_routes(r, gw)
+    add_conversation_routes(r, gw)
+    return r
 
-    def policy_view() -> dict[str, Any]:
-        rt = gw.runtime
-        return {"policy": gw.policy.name, "version": gw.policy_sync.version, "cost": gw.cost.params.model_dump(),
-                "waits": rt.learned.waits.params.model_dump(), "prefill": rt.controller.params.prefill.model_dump(),
-                # Which learned cost parameters an operator pinned (a PATCH with null gives them back).
-                "rate_sources": gw.tiers.rate_sources()}
 
-    def operator(request: Request) -> Principal:
-        return require(gw.auth, request.headers, operator=True)
+def _operator(gw: Parts, request: Request) -> Principal:
+    return require(gw.auth, request.headers, operator=True)
 
+
+def _policy_view(gw: Parts) -> dict[str, Any]:
+    rt = gw.runtime
+    return {"policy": gw.policy.name, "version": gw.policy_sync.version, "cost": gw.cost.params.model_dump(),
+            "waits": rt.learned.waits.params.model_dump(), "prefill": rt.controller.params.prefill.model_dump(),
+            # Which learned cost parameters an operator pinned (a PATCH with null gives them back).
+            "rate_sources": gw.tiers.rate_sources()}
+
+
+def add_policy_routes(r: APIRouter, gw: Parts) -> None:
     @r.get("/policy")
     async def get_policy(request: Request) -> dict[str, Any]:
-        operator(request)
-        return policy_view()
+        _operator(gw, request)
+        return _policy_view(gw)
 
     @r.patch("/policy")
     async def patch_policy(request: Request) -> JSONResponse:
         """Change cost-model, tool-wait and background-prefill parameters at run time (what ``kvgate tune``
         proposes): every section given is validated whole, then all are swapped in at once."""
-        who = operator(request)
+        who = _operator(gw, request)
         changes = await read_json(request, 64 * 1024, gw.settings.hostile.json_limits)
         sections = {k: v for k, v in changes.items() if k != "reason"} if isinstance(changes, dict) else changes
         reason = changes.get("reason") if isinstance(changes, dict) else None
@@ -104,12 +113,14 @@ def admin_routes(gw: Parts) -> APIRouter:
         except ApiError as exc:
             return exc.response()
         log.info("policy parameters changed by %s: %s", change.who, sections)
-        return JSONResponse(policy_view())
+        return JSONResponse(_policy_view(gw))
 
+
+def add_tier_routes(r: APIRouter, gw: Parts) -> None:
     @r.get("/tiers")
     async def tiers(request: Request) -> dict[str, Any]:
         """Tool-wait predictions, tier adapters' state, background prefill counters."""
-        operator(request)
+        _operator(gw, request)
         try:
             await gw.runtime.tick()  # observations published a moment ago count
         except StoreError as exc:
@@ -119,20 +130,25 @@ def admin_routes(gw: Parts) -> APIRouter:
         return {**gw.tiers.snapshot(), "waits": snap["waits"], "reserved": reserved,
                 "prefill": {**snap["prefill"], "continuation": snap["continuation"]}}
 
+
+def add_worker_routes(r: APIRouter, gw: Parts) -> None:
     @r.get("/workers")
     async def workers(request: Request) -> dict[str, Any]:
-        operator(request)
+        _operator(gw, request)
         return {"workers": [{"id": w.id, "url": w.config.url, "model": w.config.model, "engine": w.config.engine,
                              "healthy": w.healthy, "in_flight": w.in_flight, "running": w.running,
                              "waiting": w.waiting, "kv_usage": w.kv_usage, "reserved_tokens": w.reserved,
                              "node": w.config.node, "last_error": w.last_error}
                             for w in gw.pool.all()]}
 
+
+def add_conversation_routes(r: APIRouter, gw: Parts) -> None:
+    # next-prefix first: the record's `{cid:path}` would otherwise swallow it.
     @r.get("/conversations/{cid:path}/next-prefix")  # scoped ids ("tenant/id") hold a slash
     async def next_prefix(cid: str, request: Request) -> JSONResponse:
         """The canonical prefix the conversation's next request will start with (for background prefill).
         Operators only: it hands out the conversation's token ids."""
-        operator(request)
+        _operator(gw, request)
         conv = await _peek(gw, cid)
         if isinstance(conv, JSONResponse):
             return conv
@@ -165,8 +181,6 @@ def admin_routes(gw: Parts) -> APIRouter:
         if conv is None:
             return _error(404, f"conversation `{cid}` not found", "not_found_error", "id")
         return JSONResponse(conversation_view(conv))
-
-    return r
 
 
 def _who(request: Request, caller: Principal) -> str:

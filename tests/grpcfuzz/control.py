@@ -24,7 +24,7 @@ from kvgate.grpc.gen.kvgate.v1 import routing_pb2 as rpb
 from tests.conftest import MODEL
 from tests.grpcfuzz.fleet import CALL_TIMEOUT_S, GRPC_LIMIT, OPERATOR_KEY, TENANT, Fleet, Side
 from tests.grpcfuzz.wire import Answer, is_utf8, ld, parses, unary
-from tests.test_fuzz import CHAT, COMPLETION, CONV_IDS, HUGE_TEXT, TEXT, encoded, mutated
+from tests.httpfuzz.strategies import CHAT, COMPLETION, CONV_IDS, HUGE_TEXT, TEXT, encoded, mutated
 
 # --- the control API: requests --------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from jwt.algorithms import RSAAlgorithm
 
 from kvgate.gateway.auth import key_hash
 from tests.conftest import MODEL, Cluster
-from tests.test_fuzz import MAX_BODY
+from tests.httpfuzz.strategies import MAX_BODY
 
 if TYPE_CHECKING:
     from tests.grpcfuzz.control import WatchRun

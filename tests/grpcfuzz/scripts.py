@@ -18,7 +18,7 @@ from tests.conftest import MODEL
 from tests.grpcfuzz.control import PTEXT, WELL_CHAT, WELL_COMPLETION, resolve_text
 from tests.grpcfuzz.fleet import OPERATOR_KEY, TENANT, TENANT_KEY, Side
 from tests.grpcfuzz.wire import ld, tag
-from tests.test_fuzz import CHAT, COMPLETION, MAX_BODY, TEXT, encoded, mutated
+from tests.httpfuzz.strategies import CHAT, COMPLETION, MAX_BODY, TEXT, encoded, mutated
 
 # --- the endpoint picker: scripts -----------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ from google.protobuf.message import DecodeError, Message
 from hypothesis import strategies as st
 
 from tests.grpcfuzz.fleet import CALL_TIMEOUT_S, NOROLE_KEY, OPERATOR_KEY, TENANT, TENANT_KEY, jwks
-from tests.test_fuzz import TEXT
+from tests.httpfuzz.strategies import TEXT
 
 if TYPE_CHECKING:
     from tests.grpcfuzz.fleet import Fleet
