@@ -161,6 +161,26 @@ def waits_table(title: str, rows: Sequence[Row], mean_input: float, profile: Tim
 
 
 # -- the run --------------------------------------------------------------------------------------
+Config = tuple[str, int, float]
+
+
+def only_tables(wls: list[Workload], configs: list[Config], only: str) -> tuple[list[Workload], list[Config]]:
+    """The workloads and fleets of the tables titled ``<workload> — <fleet>`` that contain every
+    comma-separated part of ``only`` (case-insensitive; "" keeps all), so one row of a slow benchmark can
+    be rerun alone: ``agentic,4 workers``."""
+    parts = [p.strip().lower() for p in only.split(",") if p.strip()]
+
+    def keep(wl: Workload, c: Config) -> bool:
+        title = f"{wl.name} — {c[0]}".lower()
+        return all(p in title for p in parts)
+
+    kept = [(wl, c) for wl in wls for c in configs if keep(wl, c)]
+    if parts and not kept:
+        raise ValueError(f"no table matches {only!r}")
+    return ([wl for wl in wls if any(k[0] is wl for k in kept)],
+            [c for c in configs if any(k[1] is c for k in kept)])
+
+
 @dataclass
 class Bench:
     out_dir: Path
@@ -287,10 +307,11 @@ def _slug(s: str) -> str:
 
 
 def run(trace_path: Path = DEFAULT_TRACE, out_dir: Path = Path("bench-out"), quick: bool = False,
-        dynamo: bool = True, peers: bool = True, tiered_only: bool = False) -> int:
+        dynamo: bool = True, peers: bool = True, tiered_only: bool = False, only: str = "") -> int:
     """Prints the report and writes it to ``out_dir``; returns the exit code (1: a floor failed).
     ``tiered_only``: kvgate precise and the tiered fleet's rows on all four workloads, nothing else
-    (``python -m kvgate.bench.mooncake --tiered [--quick]``)."""
+    (``python -m kvgate.bench.mooncake --tiered [--quick]``). ``only``: the tables whose title contains it
+    (``only_tables``)."""
     if tiered_only:
         dynamo = peers = False
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -303,6 +324,7 @@ def run(trace_path: Path = DEFAULT_TRACE, out_dir: Path = Path("bench-out"), qui
             dynamo = False
     wls = workloads(trace_path, quick, every=tiered_only)
     configs = [("8 workers × 1M tokens, 1× arrivals", 8, 1.0), ("4 workers × 1M tokens, 3× arrivals", 4, 3.0)]
+    wls, configs = only_tables(wls, configs, only)
     runs_per_wl = (1 + 1 + 2 * len(TIERED_MODES)) if tiered_only else (
         (5 + 3) + 2 * len(TIERED_MODES) + 1 + (4 if dynamo else 0))
     extras = not (quick or tiered_only)
@@ -451,5 +473,7 @@ if __name__ == "__main__":  # python -m kvgate.bench.mooncake --tiered [--quick]
     ap.add_argument("--tiered", action="store_true", required=True)
     ap.add_argument("--quick", action="store_true", help=f"the first {QUICK_REQUESTS} requests of each workload")
     ap.add_argument("--out", default="bench-out")
+    ap.add_argument("--only", default="", help="the tables whose title contains every comma-separated part "
+                    "(e.g. 'agentic,4 workers')")
     a = ap.parse_args()
-    raise SystemExit(run(DEFAULT_TRACE, Path(a.out), a.quick, tiered_only=True))
+    raise SystemExit(run(DEFAULT_TRACE, Path(a.out), a.quick, tiered_only=True, only=a.only))
