@@ -64,12 +64,13 @@ class Workload:
 QUICK_REQUESTS = 2500
 
 
-def fleet_tiers(n_workers: int, profile: TimingProfile) -> FleetTiers:
+def fleet_tiers(n_workers: int, profile: TimingProfile, async_loads: bool = False) -> FleetTiers:
     """The tiered fleet of the tiered rows: 2 workers a node, each node's L1 as large as its two GPUs' KV,
     and a shared pool of one GPU's KV per worker (A: host DRAM ≥ HBM on GPU servers; the pool a part of
-    it). Round robin + shared pool gets the L1s' memory added to its pool (``fleet.pool_only``)."""
+    it). Round robin + shared pool gets the L1s' memory added to its pool (``fleet.pool_only``).
+    ``async_loads``: the engines load asynchronously (``sim.tiers.EngineTiers.async_loads``)."""
     gpu = profile.num_blocks * profile.block_size
-    return FleetTiers(cpu_tokens_per_node=2 * gpu, pool_tokens=n_workers * gpu)
+    return FleetTiers(cpu_tokens_per_node=2 * gpu, pool_tokens=n_workers * gpu, async_loads=async_loads)
 
 
 def workloads(trace_path: Path, quick: bool, every: bool = False) -> list[Workload]:
@@ -190,6 +191,8 @@ class Bench:
     progress: Any = None
     tiered_only: bool = False
     """Only kvgate precise and the tiered fleet's rows (no Dynamo, goodput, seeds or peers)."""
+    async_loads: bool = False
+    """The tiered fleet's engines load asynchronously."""
 
     def tick(self, what: str) -> None:
         if self.progress is not None:
@@ -228,7 +231,7 @@ class Bench:
                  else ["round_robin", "session_affinity", "kvgate_precise"])
         if self.tiered_only:
             modes = ["kvgate_precise"]
-        tiers = fleet_tiers(n, self.profile)
+        tiers = fleet_tiers(n, self.profile, self.async_loads)
         rows = []
         for mode in [*modes, *TIERED_MODES]:
             rows.append(simulate(trace, n, self.profile, mode, tiers=tiers))
@@ -307,11 +310,15 @@ def _slug(s: str) -> str:
 
 
 def run(trace_path: Path = DEFAULT_TRACE, out_dir: Path = Path("bench-out"), quick: bool = False,
-        dynamo: bool = True, peers: bool = True, tiered_only: bool = False, only: str = "") -> int:
+        dynamo: bool = True, peers: bool = True, tiered_only: bool = False, only: str = "",
+        loads: str = "sync") -> int:
     """Prints the report and writes it to ``out_dir``; returns the exit code (1: a floor failed).
     ``tiered_only``: kvgate precise and the tiered fleet's rows on all four workloads, nothing else
     (``python -m kvgate.bench.mooncake --tiered [--quick]``). ``only``: the tables whose title contains it
-    (``only_tables``)."""
+    (``only_tables``). ``loads``: how the tiered fleet's engines load, ``sync`` (LMCache's default) or
+    ``async`` (LMCache's ``enable_async_loading``)."""
+    if loads not in ("sync", "async"):
+        raise ValueError(f"loads must be sync or async, not {loads!r}")
     if tiered_only:
         dynamo = peers = False
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -330,13 +337,14 @@ def run(trace_path: Path = DEFAULT_TRACE, out_dir: Path = Path("bench-out"), qui
     extras = not (quick or tiered_only)
     planned = (len(wls) * runs_per_wl + (3 * sum(w.unbounded for w in wls) if extras else 0)
                + (len(wls) * 15 + 2 * len(SEEDS) if extras else 0))
-    b = Bench(out_dir, quick, dynamo, profile, tiered_only=tiered_only)
+    b = Bench(out_dir, quick, dynamo, profile, tiered_only=tiered_only, async_loads=loads == "async")
     text = ["# kvgate bench mooncake", "",
             f"Engine model: Dynamo mocker (block {profile.block_size}, {profile.num_blocks} blocks = "
             f"{profile.num_blocks * profile.block_size:,} tokens per worker, "
             f"{profile.max_num_batched_tokens}-token passes); kvgate's cost model calibrated from it "
             "(`TimingProfile.cost_params()`). TTFT mean and p99 carry their range over three time windows "
-            "of the run in brackets; percentiles as Dynamo computes them. `reuse / bound` is against one LRU "
+            "of the run in brackets; percentiles as Dynamo computes them. The tiered engines load from the "
+            f"tiers {loads}hronously (`sim/engine.py`). `reuse / bound` is against one LRU "
             "cache of the fleet's whole capacity (no routing, no duplicates, no running requests pinning "
             "blocks): the reference every table carries; LRU is not optimal, so separate caches can pass it "
             "when capacity is short.", ""]
@@ -473,7 +481,9 @@ if __name__ == "__main__":  # python -m kvgate.bench.mooncake --tiered [--quick]
     ap.add_argument("--tiered", action="store_true", required=True)
     ap.add_argument("--quick", action="store_true", help=f"the first {QUICK_REQUESTS} requests of each workload")
     ap.add_argument("--out", default="bench-out")
+    ap.add_argument("--loads", choices=("sync", "async"), default="sync",
+                    help="the tiered engines' tier loads: sync (LMCache's default) or async (enable_async_loading)")
     ap.add_argument("--only", default="", help="the tables whose title contains every comma-separated part "
                     "(e.g. 'agentic,4 workers')")
     a = ap.parse_args()
-    raise SystemExit(run(DEFAULT_TRACE, Path(a.out), a.quick, tiered_only=True, only=a.only))
+    raise SystemExit(run(DEFAULT_TRACE, Path(a.out), a.quick, tiered_only=True, only=a.only, loads=a.loads))
