@@ -61,7 +61,7 @@ def test_channel_serves_loads_one_after_another() -> None:
 
 def test_async_load_does_not_stall_the_batch() -> None:
     c = engine(warm_tier(), async_loads=True)
-    d, now = decoding(c)
+    _, now = decoding(c)
     b = SimRequest("b", [*PROMPT, 7, 7], [1])
     c.add_request(b)
     plan, now = step(c, now)
@@ -116,7 +116,7 @@ def run_loads(c: EngineCore) -> None:
 
 def test_sync_mode_keeps_the_load_in_the_step() -> None:
     c = engine(warm_tier(), async_loads=False)
-    d, now = decoding(c)
+    decoding(c)
     b = SimRequest("b", [*PROMPT, 7, 7], [1])
     c.add_request(b)
     plan = c.schedule()
