@@ -354,6 +354,10 @@ def _build_parser() -> argparse.ArgumentParser:
                     "(round robin + shared pool, Dynamo tier credits, kvgate with tiers, GPU and GPU + CPU bounds)")
     bn.add_argument("--choose", action="store_true", help="mooncake: the cost-model weight sweep on the first half "
                     "of the conversation trace (the only traffic weights are chosen on)")
+    bn.add_argument("--loads", choices=["sync", "async"], default="sync", help="mooncake, tiering: how the simulated "
+                    "engines wait for tier loads: sync (LMCache's default) or async (LMCache enable_async_loading)")
+    bn.add_argument("--only", default="", help="mooncake: only the tables whose title contains every "
+                    "comma-separated part (e.g. 'agentic,4 workers')")
 
     t = sub.add_parser("tune", help="replay a request log with candidate settings, in virtual time",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -437,14 +441,15 @@ def _bench(args: argparse.Namespace) -> None:
     elif args.which == "tiering":
         from kvgate.bench import tiering
 
-        raise SystemExit(tiering.run(Path(args.out), args.quick, real=not args.no_real))
+        raise SystemExit(tiering.run(Path(args.out), args.quick, real=not args.no_real, loads=args.loads))
     elif args.choose:
         from kvgate.bench import choose
 
         print(choose.run(Path(args.trace) if args.trace else mooncake.DEFAULT_TRACE))
     else:
         raise SystemExit(mooncake.run(Path(args.trace) if args.trace else mooncake.DEFAULT_TRACE, Path(args.out),
-                                      args.quick, not args.no_dynamo, not args.no_peers, tiered_only=args.tiered))
+                                      args.quick, not args.no_dynamo, not args.no_peers, tiered_only=args.tiered,
+                                      only=args.only, loads=args.loads))
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -41,6 +41,17 @@ def test_every_request_is_served(mode: str) -> None:
     assert all(r.first_token is not None and r.finish is not None for r in res)
 
 
+def test_async_loads_serve_every_request_and_still_replace_recompute() -> None:
+    scripts = generate(SMALL)
+    f = AgentFleet(replace(bench_profile(), num_blocks=500), 2, 1, "kvgate",
+                   tiers=TierConfig(cpu_tokens_per_node=400_000, async_loads=True))
+    res = f.run(scripts)
+    assert len(res) == sum(len(s.rounds) for s in scripts)
+    assert all(r.first_token is not None and r.finish is not None for r in res)
+    assert f.policy.params.tier_loads == "async" and all(e.channel.backlog_ms() == 0 for e in f.engines)
+    assert sum(e.stats.external_tokens for e in f.engines) > 0
+
+
 def test_tiers_replace_recompute_when_the_gpu_is_small() -> None:
     scripts = generate(SMALL)
     base = fleet("no_tiering", blocks=500)

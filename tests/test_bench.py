@@ -178,3 +178,36 @@ def test_tiered_fleet_modes_load_from_their_tiers_and_kvgate_reuses_at_least_gpu
             assert cpu > 0
     assert reuse["kvgate_tiers"] >= reuse["kvgate_precise"]
     assert reuse["round_robin_pool"] > 0
+
+
+def test_async_tiered_fleet_serves_every_request_and_waits_for_its_loads() -> None:
+    from kvgate.bench.mooncake import fleet_tiers
+    from kvgate.bench.workloads import agentic
+
+    trace = sorted(agentic(7), key=lambda r: (r.arrival_s, r.id))[:200]
+    prof = get_profile("dynamo-mocker").with_overrides(num_blocks=1024)
+    ttft = {}
+    for loads in (False, True):
+        sim = FleetSim(4, prof, "round_robin_pool", tiers=fleet_tiers(4, prof, async_loads=loads))
+        res = sim.run(trace)
+        assert len(res) == 200 and all(r.first_token is not None and r.finish is not None for r in res)
+        assert sum(e.stats.loaded_remote_tokens for e in sim.engines) > 0
+        assert all(not e.channel for e in sim.engines)
+        ttft[loads] = [(r.first_token - r.arrival) * 1000 for r in res]  # type: ignore[operator]
+    assert ttft[True] != ttft[False]  # the mode changes the timing
+    sim = FleetSim(4, prof, "kvgate_tiers", tiers=fleet_tiers(4, prof, async_loads=True))
+    assert sim.cost.params.tier_loads == "async"
+    sim.run(trace)
+    assert max(a.load_free_at for a in sim.acct) > 0  # the router tracked the loads it sent
+
+
+def test_only_tables_keeps_the_matching_workload_and_fleet() -> None:
+    from kvgate.bench.mooncake import Workload, only_tables
+
+    wls = [Workload("conversation", list), Workload("agentic sessions", list)]
+    configs = [("8 workers × 1M tokens, 1× arrivals", 8, 1.0), ("4 workers × 1M tokens, 3× arrivals", 4, 3.0)]
+    kept_w, kept_c = only_tables(wls, configs, "Agentic, 4 workers")
+    assert [w.name for w in kept_w] == ["agentic sessions"] and kept_c == configs[1:]
+    assert only_tables(wls, configs, "") == (wls, configs)
+    with pytest.raises(ValueError):
+        only_tables(wls, configs, "swe")

@@ -148,6 +148,32 @@ def test_remote_tier_serves_any_worker_instead_of_recompute() -> None:
     assert d is not None and d.tier == "remote" and d.reason == "longest_prefix"
 
 
+def test_a_sync_load_is_charged_to_every_request_whose_step_waits_for_it() -> None:
+    m = CostModel(T.model_copy(update={"externality_weight": 1.0}))
+    busy = w(0, decode_requests=3, pending_requests=1)
+    # 3,840 tokens from the remote tier: 2 + 384 ms, waited for by the 4 requests already there.
+    assert m.load_stall_ms(tier_req(4000, remote=3840), busy) == pytest.approx(4 * 386)
+    assert m.load_stall_ms(tier_req(4000, remote=3840), w(1)) == 0  # nobody there to wait
+    assert m.load_stall_ms(tier_req(4000), busy) == 0  # nothing loaded: recompute is priced as prefill
+    d = m.pick(tier_req(4000, remote=3840), FleetView((busy, w(1))))
+    assert d is not None and d.worker == "w1"
+
+
+def test_an_async_load_stalls_nobody_but_queues_on_the_channel() -> None:
+    m = CostModel(T.model_copy(update={"externality_weight": 1.0, "tier_loads": "async"}))
+    busy = w(0, decode_requests=3, pending_requests=1)
+    r = tier_req(4000, remote=3840)
+    assert m.load_stall_ms(r, busy) == 0
+    backlog = w(0, load_backlog_ms=500.0)
+    # The newcomer waits for the 500 ms of loads ahead of it, then its own 386.
+    assert m.ttft_ms(r, backlog) == pytest.approx(m.ttft_ms(r, w(0)) + 500.0)
+    assert m.ttft_ms(tier_req(4000), backlog) == m.ttft_ms(tier_req(4000), w(0))  # no load, no wait
+    d = m.pick(r, FleetView((backlog, w(1))))
+    assert d is not None and d.worker == "w1"
+    # Sync mode has no channel queue to price: the loads are inside the steps.
+    assert CostModel(T).ttft_ms(r, backlog) == CostModel(T).ttft_ms(r, w(0))
+
+
 def test_reserved_kv_steers_newcomers_elsewhere() -> None:
     parked = w(0, reserved_tokens=60_000, kv_capacity_tokens=100_000)
     free = w(1, kv_capacity_tokens=100_000)

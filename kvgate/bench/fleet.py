@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from kvgate.bench.trace import TraceRequest, TraceTokens
 from kvgate.bench.waits import Wait, WaitTracker
 from kvgate.router.approx import ApproxIndex
-from kvgate.router.cost import CostParams
+from kvgate.router.cost import CostModel, CostParams, Reuse
 from kvgate.router.hashing import BlockHash
 from kvgate.router.index import PrefixIndex
 from kvgate.router.policies import Policy, PolicyParams, make_policy
@@ -101,8 +101,11 @@ class FleetSim:
         self.approx = ApproxIndex(approx_ttl_s)
         if cost is None and spec is not None:
             cost = profile.cost_params(kv_bytes_per_token=spec.kv_bytes_per_token, cpu_load_gbps=spec.cpu_gbps,
-                                       remote_load_gbps=spec.pool_gbps, remote_rtt_ms=spec.pool_rtt_ms)
-        self.policy: Policy = make_policy(_POLICY.get(mode, mode), PolicyParams(cost=cost or profile.cost_params()))
+                                       remote_load_gbps=spec.pool_gbps, remote_rtt_ms=spec.pool_rtt_ms
+                                       ).model_copy(update={"tier_loads": "async" if spec.async_loads else "sync"})
+        self.cost = CostModel(cost or profile.cost_params())
+        """The cost model's load times, for the router's estimate of each worker's transfer backlog."""
+        self.policy: Policy = make_policy(_POLICY.get(mode, mode), PolicyParams(cost=self.cost.params))
         self.home: dict[str, WorkerId] = {}
         self.tokens = TraceTokens(self.hasher)
         self.route_wall_s = 0.0
@@ -129,7 +132,8 @@ class FleetSim:
         elif self.mode == "kvgate_approx":
             matched = self.approx.match(hashes, now)
         cpu, remote = self._tier_view(block_hashes or [])
-        views = tuple(a.view(wid, node=node) for wid, a, node in zip(self.ids, self.acct, self.nodes, strict=True))
+        views = tuple(a.view(wid, node=node, load_backlog_ms=a.load_backlog_ms(now))
+                      for wid, a, node in zip(self.ids, self.acct, self.nodes, strict=True))
         key = r.conversation_key
         req = RouteRequest("m", ConversationId(key), self.home.get(key), prompt_tokens=r.input_length,
                            matched_blocks=matched, block_size=self.profile.block_size, cpu_tokens=cpu,
@@ -142,6 +146,9 @@ class FleetSim:
                        * self.profile.block_size)
             self.forgone_tokens += max(0, best - d.expected_cached_tokens)
         self.home[key] = d.worker
+        remote = d.expected_remote_tokens
+        self.acct[self.ids.index(d.worker)].loading(
+            self.cost.load_ms(Reuse(0, d.expected_loaded_tokens - remote, remote)), now)
         if self.mode == "kvgate_approx":
             self.approx.record(d.worker, hashes, now)
         self.route_wall_s += time.perf_counter() - t0

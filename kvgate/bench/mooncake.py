@@ -64,12 +64,13 @@ class Workload:
 QUICK_REQUESTS = 2500
 
 
-def fleet_tiers(n_workers: int, profile: TimingProfile) -> FleetTiers:
+def fleet_tiers(n_workers: int, profile: TimingProfile, async_loads: bool = False) -> FleetTiers:
     """The tiered fleet of the tiered rows: 2 workers a node, each node's L1 as large as its two GPUs' KV,
     and a shared pool of one GPU's KV per worker (A: host DRAM ≥ HBM on GPU servers; the pool a part of
-    it). Round robin + shared pool gets the L1s' memory added to its pool (``fleet.pool_only``)."""
+    it). Round robin + shared pool gets the L1s' memory added to its pool (``fleet.pool_only``).
+    ``async_loads``: the engines load asynchronously (``sim.tiers.EngineTiers.async_loads``)."""
     gpu = profile.num_blocks * profile.block_size
-    return FleetTiers(cpu_tokens_per_node=2 * gpu, pool_tokens=n_workers * gpu)
+    return FleetTiers(cpu_tokens_per_node=2 * gpu, pool_tokens=n_workers * gpu, async_loads=async_loads)
 
 
 def workloads(trace_path: Path, quick: bool, every: bool = False) -> list[Workload]:
@@ -161,6 +162,26 @@ def waits_table(title: str, rows: Sequence[Row], mean_input: float, profile: Tim
 
 
 # -- the run --------------------------------------------------------------------------------------
+Config = tuple[str, int, float]
+
+
+def only_tables(wls: list[Workload], configs: list[Config], only: str) -> tuple[list[Workload], list[Config]]:
+    """The workloads and fleets of the tables titled ``<workload> — <fleet>`` that contain every
+    comma-separated part of ``only`` (case-insensitive; "" keeps all), so one row of a slow benchmark can
+    be rerun alone: ``agentic,4 workers``."""
+    parts = [p.strip().lower() for p in only.split(",") if p.strip()]
+
+    def keep(wl: Workload, c: Config) -> bool:
+        title = f"{wl.name} — {c[0]}".lower()
+        return all(p in title for p in parts)
+
+    kept = [(wl, c) for wl in wls for c in configs if keep(wl, c)]
+    if parts and not kept:
+        raise ValueError(f"no table matches {only!r}")
+    return ([wl for wl in wls if any(k[0] is wl for k in kept)],
+            [c for c in configs if any(k[1] is c for k in kept)])
+
+
 @dataclass
 class Bench:
     out_dir: Path
@@ -170,6 +191,8 @@ class Bench:
     progress: Any = None
     tiered_only: bool = False
     """Only kvgate precise and the tiered fleet's rows (no Dynamo, goodput, seeds or peers)."""
+    async_loads: bool = False
+    """The tiered fleet's engines load asynchronously."""
 
     def tick(self, what: str) -> None:
         if self.progress is not None:
@@ -208,7 +231,7 @@ class Bench:
                  else ["round_robin", "session_affinity", "kvgate_precise"])
         if self.tiered_only:
             modes = ["kvgate_precise"]
-        tiers = fleet_tiers(n, self.profile)
+        tiers = fleet_tiers(n, self.profile, self.async_loads)
         rows = []
         for mode in [*modes, *TIERED_MODES]:
             rows.append(simulate(trace, n, self.profile, mode, tiers=tiers))
@@ -287,10 +310,15 @@ def _slug(s: str) -> str:
 
 
 def run(trace_path: Path = DEFAULT_TRACE, out_dir: Path = Path("bench-out"), quick: bool = False,
-        dynamo: bool = True, peers: bool = True, tiered_only: bool = False) -> int:
+        dynamo: bool = True, peers: bool = True, tiered_only: bool = False, only: str = "",
+        loads: str = "sync") -> int:
     """Prints the report and writes it to ``out_dir``; returns the exit code (1: a floor failed).
     ``tiered_only``: kvgate precise and the tiered fleet's rows on all four workloads, nothing else
-    (``python -m kvgate.bench.mooncake --tiered [--quick]``)."""
+    (``python -m kvgate.bench.mooncake --tiered [--quick]``). ``only``: the tables whose title contains it
+    (``only_tables``). ``loads``: how the tiered fleet's engines load, ``sync`` (LMCache's default) or
+    ``async`` (LMCache's ``enable_async_loading``)."""
+    if loads not in ("sync", "async"):
+        raise ValueError(f"loads must be sync or async, not {loads!r}")
     if tiered_only:
         dynamo = peers = False
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -303,18 +331,20 @@ def run(trace_path: Path = DEFAULT_TRACE, out_dir: Path = Path("bench-out"), qui
             dynamo = False
     wls = workloads(trace_path, quick, every=tiered_only)
     configs = [("8 workers × 1M tokens, 1× arrivals", 8, 1.0), ("4 workers × 1M tokens, 3× arrivals", 4, 3.0)]
+    wls, configs = only_tables(wls, configs, only)
     runs_per_wl = (1 + 1 + 2 * len(TIERED_MODES)) if tiered_only else (
         (5 + 3) + 2 * len(TIERED_MODES) + 1 + (4 if dynamo else 0))
     extras = not (quick or tiered_only)
     planned = (len(wls) * runs_per_wl + (3 * sum(w.unbounded for w in wls) if extras else 0)
                + (len(wls) * 15 + 2 * len(SEEDS) if extras else 0))
-    b = Bench(out_dir, quick, dynamo, profile, tiered_only=tiered_only)
+    b = Bench(out_dir, quick, dynamo, profile, tiered_only=tiered_only, async_loads=loads == "async")
     text = ["# kvgate bench mooncake", "",
             f"Engine model: Dynamo mocker (block {profile.block_size}, {profile.num_blocks} blocks = "
             f"{profile.num_blocks * profile.block_size:,} tokens per worker, "
             f"{profile.max_num_batched_tokens}-token passes); kvgate's cost model calibrated from it "
             "(`TimingProfile.cost_params()`). TTFT mean and p99 carry their range over three time windows "
-            "of the run in brackets; percentiles as Dynamo computes them. `reuse / bound` is against one LRU "
+            "of the run in brackets; percentiles as Dynamo computes them. The tiered engines load from the "
+            f"tiers {loads}hronously (`sim/engine.py`). `reuse / bound` is against one LRU "
             "cache of the fleet's whole capacity (no routing, no duplicates, no running requests pinning "
             "blocks): the reference every table carries; LRU is not optimal, so separate caches can pass it "
             "when capacity is short.", ""]
@@ -451,5 +481,9 @@ if __name__ == "__main__":  # python -m kvgate.bench.mooncake --tiered [--quick]
     ap.add_argument("--tiered", action="store_true", required=True)
     ap.add_argument("--quick", action="store_true", help=f"the first {QUICK_REQUESTS} requests of each workload")
     ap.add_argument("--out", default="bench-out")
+    ap.add_argument("--loads", choices=("sync", "async"), default="sync",
+                    help="the tiered engines' tier loads: sync (LMCache's default) or async (enable_async_loading)")
+    ap.add_argument("--only", default="", help="the tables whose title contains every comma-separated part "
+                    "(e.g. 'agentic,4 workers')")
     a = ap.parse_args()
-    raise SystemExit(run(DEFAULT_TRACE, Path(a.out), a.quick, tiered_only=True))
+    raise SystemExit(run(DEFAULT_TRACE, Path(a.out), a.quick, tiered_only=True, only=a.only, loads=a.loads))

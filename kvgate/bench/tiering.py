@@ -202,17 +202,25 @@ def pool_floors(rows: list[RowStats], refs: list[tuple[str, float]]) -> list[tup
     return [(n, v, t, v < 1.0 if t.startswith("<") else v > 1.0) for n, v, t in out]
 
 
-def held_out(seeds: tuple[int, ...], quick: bool = False) -> str:
-    """The first floor (resumed p99, kvgate full / no tiering) on seeds other than the benchmark's."""
+def held_out(seeds: tuple[int, ...], quick: bool = False, loads: str = "sync") -> str:
+    """The first floor (resumed p99, kvgate full / no tiering) on seeds other than the benchmark's;
+    ``loads``: the engines' tier loads, ``sync`` or ``async`` (``sim.tiers.EngineTiers.async_loads``)."""
     lines = ["| seed | resumed p99 no tiering (ms) | kvgate full | ratio | target ≤ 0.5 |", "|---|---|---|---|---|"]
     base = AgentParams(sessions=80, start_window_s=200.0) if quick else AgentParams()
     profile = bench_profile(2_500 if quick else 7_500)
+    tiers = tier_config(loads)
     for seed in seeds:
-        rows = run_rows(replace(base, seed=seed), profile=profile, rows=ROWS[:1] + ROWS[2:3])
+        rows = run_rows(replace(base, seed=seed), profile=profile, rows=ROWS[:1] + ROWS[2:3], tiers=tiers)
         v = rows[1].resumed_p99 / rows[0].resumed_p99
         lines.append(f"| {seed} | {rows[0].resumed_p99:.0f} | {rows[1].resumed_p99:.0f} | {v:.3f} | "
                      f"{'yes' if v <= 0.5 else 'NO'} |")
     return "\n".join(lines) + "\n"
+
+
+def tier_config(loads: str) -> TierConfig:
+    if loads not in ("sync", "async"):
+        raise ValueError(f"loads must be sync or async, not {loads!r}")
+    return TierConfig(async_loads=loads == "async")
 
 
 def floors(rows: list[RowStats]) -> list[tuple[str, float, str, bool]]:
@@ -231,23 +239,26 @@ def floors(rows: list[RowStats]) -> list[tuple[str, float, str, bool]]:
     return [(n, v, t, v <= float(t.split()[-1])) for n, v, t in out]
 
 
-def run(out_dir: Path, quick: bool = False, real: bool = True) -> int:
+def run(out_dir: Path, quick: bool = False, real: bool = True, loads: str = "sync") -> int:
+    """``loads``: how the simulated engines wait for tier loads (``tier_config``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    tiers = tier_config(loads)
     # --quick: a third of the sessions on a third of the GPU KV, so the fleet still overflows.
     params = AgentParams(sessions=80, start_window_s=200.0) if quick else AgentParams()
     profile = bench_profile(2_500 if quick else 7_500)
     t0 = time.perf_counter()
-    rows = run_rows(params, profile=profile)
+    rows = run_rows(params, profile=profile, tiers=tiers)
     text = [f"## Agent sessions with tool waits ({params.sessions} sessions, 4 workers on 2 nodes, "
-            f"{profile.name}, GPU KV {profile.num_blocks * profile.block_size // 1000}k tokens per worker)", "",
+            f"{profile.name}, GPU KV {profile.num_blocks * profile.block_size // 1000}k tokens per worker, "
+            f"tier loads {loads})", "",
             table(rows), "### Floors", "",
             "| floor | measured | target | ok |", "|---|---|---|---|"]
     # --quick: a third of the sessions is too few to judge a p99 by; its floors are shown, not judged.
     fl = [(n, v, t, None if quick else ok) for n, v, t, ok in floors(rows)]
     text += [f"| {n} | {v:.3f} | {t} | {'–' if ok is None else 'yes' if ok else 'NO'} |" for n, v, t, ok in fl]
     t1 = time.perf_counter()
-    pool_rows = run_rows(params, profile=profile, rows=POOL_ROWS, pool=True)
-    refs = bounds(params, 4, 2, None, profile)
+    pool_rows = run_rows(params, profile=profile, rows=POOL_ROWS, pool=True, tiers=tiers)
+    refs = bounds(params, 4, 2, tiers, profile)
     text += ["", f"## The rows a tiered fleet must beat: the remote tier a shared pool ({MOONCAKE_POOL_GBPS:.0f} GB/s, "
              f"{MOONCAKE_POOL_RTT_MS} ms a load, unbounded; round robin's engines have no L1)", "",
              pool_table(pool_rows, refs), "| floor | measured | target | ok |", "|---|---|---|---|"]
@@ -275,3 +286,14 @@ def run(out_dir: Path, quick: bool = False, real: bool = True) -> int:
     (out_dir / "tiering.json").write_text(json.dumps([{k: v for k, v in asdict(r).items() if k != "resumed_ttfts"}
                                                       for r in rows + pool_rows], indent=1))
     return code
+
+
+if __name__ == "__main__":  # python -m kvgate.bench.tiering --held-out 7,11,12,13 [--loads async]
+    import argparse
+
+    ap = argparse.ArgumentParser(description="kvgate bench tiering's first floor on chosen seeds")
+    ap.add_argument("--held-out", required=True, help="comma-separated seeds")
+    ap.add_argument("--loads", choices=("sync", "async"), default="sync")
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args()
+    print(held_out(tuple(int(x) for x in a.held_out.split(",")), a.quick, a.loads))

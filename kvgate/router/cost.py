@@ -27,6 +27,17 @@ or in the shared remote tier (L2, Redis). The engine loads those tokens instead 
 ``bytes_per_token / bandwidth`` (plus one round trip for the remote tier), so a worker with a CPU-tier
 copy can beat a cold one by the whole prefill, and any worker can reuse what Redis holds.
 
+How the engine waits for a load decides who pays for it (``tier_loads``, ``sim/engine.py``):
+
+- ``sync`` (LMCache's default, ``enable_async_loading: false``): the step that admits the request
+  waits for its KV, so every request decoding or waiting there waits with it. That stall,
+  ``load · (decoding + waiting requests)``, is added with ``externality_weight``, like the delay a
+  prefill chunk imposes.
+- ``async`` (LMCache's ``async_loading``; vLLM's ``load_kv_async``): the request waits alone with its
+  blocks allocated while the batch keeps stepping, but the loads of one worker queue on its transfer
+  channel (PCIe / NIC), so a newcomer that loads also waits for the loads ahead of it there
+  (``WorkerView.load_backlog_ms``). Nobody already there waits for it.
+
 A worker whose engine already runs as many requests as it can at once (``max_running``: configured or
 learned from its counters) queues a newcomer until one finishes: with ``n`` requests there (this
 replica's and the others'), the ``n - max_running + 1``-th completion of ``max_running`` running ones
@@ -48,6 +59,7 @@ error can pile a fleet's traffic on one worker.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -88,6 +100,10 @@ class CostParams(BaseModel):
                                       "fraction of recomputing it")
     slot_wait_weight: float = Field(1.0, ge=0, description="weight of the wait for a running slot on a worker "
                                     "whose engine runs all it can at once")
+    tier_loads: Literal["sync", "async"] = Field("sync", description="how the engines wait for a tier load: "
+                                                 "sync stalls the step that admits it (LMCache's default), async "
+                                                 "waits alone, queued on the worker's transfer channel "
+                                                 "(LMCache enable_async_loading)")
 
     @model_validator(mode="after")
     def _decode_not_negative(self) -> CostParams:
@@ -158,7 +174,21 @@ class CostModel:
         prefill = sum(self._pass_ms(t) for t in passes)
         attention = p.p_attn_ms * mine * r.total / 1e6
         decode = len(passes) * self.decode_step_ms(w) if w.decode_requests else 0.0
-        return prefill + attention + decode + self.load_ms(r)
+        return prefill + attention + decode + self.load_ms(r) + self.channel_wait_ms(r, w)
+
+    def channel_wait_ms(self, r: Reuse, w: WorkerView) -> float:
+        """An asynchronous load waits for the loads ahead of it on the worker's transfer channel."""
+        if self.params.tier_loads != "async" or not (r.cpu or r.remote):
+            return 0.0
+        return max(0.0, w.load_backlog_ms)
+
+    def load_stall_ms(self, request: RouteRequest, w: WorkerView) -> float:
+        """A synchronous load is waited for by the step that admits the request, so every request decoding
+        or waiting on ``w`` waits with it: the load's time, once for each of them."""
+        if self.params.tier_loads != "sync":
+            return 0.0
+        n = w.decode_requests + w.pending_requests
+        return n * self.load_ms(self.reuse(request, w)) if n > 0 else 0.0
 
     def backlog_ms(self, request: RouteRequest, w: WorkerView, waiting_per_worker: float) -> float:
         """What the prefill this request adds on ``w`` costs the requests queued across the fleet."""
@@ -233,7 +263,8 @@ class CostModel:
         cap = (1 + self.params.load_epsilon) * mean + 1
         eligible = [w for w in workers if w.in_flight < cap] or workers
         waiting = sum(w.pending_requests for w in workers) / len(workers)
-        scores = {w.id: self.ttft_ms(request, w) + self.params.externality_weight * self.delay_to_others_ms(request, w)
+        scores = {w.id: self.ttft_ms(request, w) + self.params.externality_weight
+                  * (self.delay_to_others_ms(request, w) + self.load_stall_ms(request, w))
                   + self.reservation_ms(request, w) + self.backlog_ms(request, w, waiting) + self.slot_wait_ms(w)
                   for w in eligible}
         home = request.home_worker

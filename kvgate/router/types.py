@@ -48,6 +48,9 @@ class WorkerView:
     poll: they hold its running slots too."""
     service_ms: float = 0.0
     """How long a request holds it, on average (0 when unknown)."""
+    load_backlog_ms: float = 0.0
+    """Transfer time of the tier loads still ahead on its engine's channel, as the router estimates them
+    from the loads it sent there (0 when unknown); priced only when the engines load asynchronously."""
 
     @property
     def load(self) -> int:

@@ -8,6 +8,23 @@ the benchmarks) decides when steps happen.
 Per request, ``num_computed`` tokens have KV. A step computes ``num_new`` more; when the request's
 KV then covers every known token (prompt plus generated), the step emits one new token. Prefill,
 chunked prefill, decode and recompute after preemption are all this one rule.
+
+Tier loads (LMCache's CPU tier or a shared pool, ``tiers.EngineTiers``) come in two modes:
+
+- synchronous (LMCache's default, ``enable_async_loading: false``): the connector retrieves the KV
+  before the forward pass of the step that admits the request, so that step — and every request
+  in it — waits for the load;
+- asynchronous (``EngineTiers.async_loads``; LMCache's ``async_loading`` with vLLM's
+  ``get_num_new_matched_tokens`` returning ``load_kv_async=True``): the request's blocks are allocated,
+  it waits in ``WAITING_FOR_REMOTE_KVS`` (here ``Status.LOADING``) without being scheduled or taking
+  token budget, its loaded blocks join the prefix cache only when the load ends (vLLM's
+  ``delay_cache_blocks``), and it is scheduled from the step after the worker reports it in
+  ``finished_recving``. Meanwhile the other requests keep stepping; the loads of one engine queue on
+  its transfer channel (``transfer.py``).
+
+SGLang's HiCache host-tier load-back (``hicache.py``) stays in the step either way: SGLang overlaps it
+layer by layer with that step's forward (its HiCache design doc, "Compute-Transfer Overlap"), which
+neither mode models exactly.
 """
 
 from __future__ import annotations
@@ -21,10 +38,13 @@ from kvgate.sim.blockpool import KVEvent
 from kvgate.sim.kinds import KINDS, VLLM, EngineKind, PrefixPool, make_hasher
 from kvgate.sim.tiers import EngineTiers
 from kvgate.sim.timing import TimingProfile
+from kvgate.sim.transfer import TransferChannel
 
 
 class Status(enum.Enum):
     WAITING = "waiting"
+    LOADING = "loading"
+    """Admitted, blocks allocated, waiting for an asynchronous tier load (vLLM's WAITING_FOR_REMOTE_KVS)."""
     RUNNING = "running"
     FINISHED = "finished"
     ABORTED = "aborted"
@@ -147,6 +167,9 @@ class EngineCore:
         self._step_open = False
         """A planned step has not finished: its events are not published yet."""
         self._by_id: dict[str, SimRequest] = {}
+        self.channel: TransferChannel[SimRequest] = TransferChannel()
+        """Asynchronous tier loads in flight (empty in the synchronous mode)."""
+        self._async_loads = tiers is not None and tiers.async_loads
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, req: SimRequest) -> None:
@@ -164,8 +187,11 @@ class EngineCore:
             return False
         if req.status is Status.WAITING:
             (self.waiting_bg if req.background else self.waiting).remove(req)
-        elif req.status is Status.RUNNING:
-            self.running.remove(req)
+        elif req.status in (Status.RUNNING, Status.LOADING):
+            if req.status is Status.RUNNING:
+                self.running.remove(req)
+            else:
+                self.channel.cancel(req)
             self.pool.free(req.blocks)
             req.blocks = []
         req.status = Status.ABORTED
@@ -183,10 +209,11 @@ class EngineCore:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + len(self.waiting_bg)
+        """Loading requests count as waiting, as vLLM counts WAITING_FOR_REMOTE_KVS."""
+        return len(self.waiting) + len(self.waiting_bg) + len(self.channel)
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting or self.waiting_bg)
+        return bool(self.running or self.waiting or self.waiting_bg or self.channel)
 
     def take_events(self) -> list[KVEvent]:
         """What the engine has published. vLLM publishes a step's KV events (blocks committed and evicted
@@ -240,8 +267,13 @@ class EngineCore:
         fg_prefill = self._foreground_prefilling()
         budget = self._schedule_running(budget, out, fg_prefill)
         load_ms = self._admit_waiting(budget, out, fg_prefill)
-        self._stats = (len(self.running), len(self.waiting) + len(self.waiting_bg))
+        self._stats = (len(self.running), self.num_waiting)
         self._step_open = bool(out)
+        if not out and self.channel:
+            # Only loads are in progress: vLLM's engine keeps stepping empty batches to poll the connector
+            # for finished_recving; a poll as long as a one-request decode step lets an arrival meanwhile
+            # start about when it would on a decoding engine.
+            return StepPlan((), min(self.channel.head_ms(), self.profile.decode_ms(1, 1)))
         chunks = []
         dec_batch = 0
         dec_ctx = 0
@@ -289,7 +321,7 @@ class EngineCore:
         """Then waiting requests, FCFS, while there is budget, room and memory; background prefills only
         when no foreground request waits or prefills. Returns the ms the step waits for tier loads."""
         load_ms = 0.0
-        while budget > 0 and len(self.running) < self.profile.max_num_seqs:
+        while budget > 0 and len(self.running) + len(self.channel) < self.profile.max_num_seqs:
             if self.waiting:
                 queue = self.waiting
             elif self.waiting_bg and not fg_prefill:
@@ -304,7 +336,10 @@ class EngineCore:
             host = self.pool.host_hit(req.hashes, len(hit), max_hit_blocks)  # SGLang HiCache's host tier
             th = self._tier_hit(req, hit_tokens + host * self.block_size, max_hit_blocks)
             done = hit_tokens + host * self.block_size + th.tokens
-            num_new = min(budget, req.known_len - done, self.background_chunk if req.background else budget)
+            deferred = self._async_loads and th.tokens > 0
+            # An asynchronous load is scheduled with no new tokens: it takes blocks, not budget.
+            num_new = 0 if deferred else min(budget, req.known_len - done,
+                                             self.background_chunk if req.background else budget)
             need = -(-(done + num_new) // self.block_size) - len(hit)
             # Hit blocks sitting in the free queue are not free for this request's allocation.
             free_after_touch = self.pool.num_free - sum(1 for b in hit if self.pool.is_free(b))
@@ -321,11 +356,17 @@ class EngineCore:
             req.blocks = hit + got
             req.num_cached_blocks = req.num_stored_blocks = len(hit) + host
             req.num_computed = done
-            load_ms += self._load(req, hit, got, host, th)
+            load_ms += self._load_host(req, hit, got, host)
+            tier_ms = self._load_tier(req, th, commit=not deferred)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = done
                 self.stats.prefix_cache_queries += req.known_len
                 self.stats.prefix_cache_hits += hit_tokens
+            if deferred:
+                req.status = Status.LOADING
+                self.channel.submit(req, tier_ms)
+                continue
+            load_ms += tier_ms
             req.status = Status.RUNNING
             self.running.append(req)
             out.append(Scheduled(req, num_new, done))
@@ -333,25 +374,41 @@ class EngineCore:
             budget -= num_new
         return load_ms
 
-    def _load(self, req: SimRequest, hit: list[int], got: list[int], host: int, th: _TierHit) -> float:
-        """An admitted request's KV beyond its GPU hit, loaded before its prefill: from SGLang's host
-        memory (``init_load_back``) or LMCache's tiers. Returns the ms it takes."""
-        ms = 0.0
-        if host:
-            ms += self.pool.load_back(req.hashes[len(hit) : len(hit) + host], got[:host])
-            self.stats.loaded_cpu_tokens += host * self.block_size
-        if th.tokens:
-            assert self.tiers is not None
-            self.tiers.retrieve(th.keys)
-            # Loaded blocks are full and join the prefix cache; LMCache does not store them again.
-            self._cache_full_blocks(req, store=False)
-            req.external_tokens += th.tokens
-            self.stats.external_tokens += th.tokens
-            self.stats.loaded_cpu_tokens += th.cpu_tokens
-            self.stats.loaded_remote_tokens += th.remote_tokens
-            ms += th.ms
+    def _load_host(self, req: SimRequest, hit: list[int], got: list[int], host: int) -> float:
+        """An admitted request's KV beyond its GPU hit in SGLang's host memory (``init_load_back``), loaded
+        before its prefill. Returns the ms it takes."""
+        if not host:
+            return 0.0
+        ms = self.pool.load_back(req.hashes[len(hit) : len(hit) + host], got[:host])
+        self.stats.loaded_cpu_tokens += host * self.block_size
         self.stats.load_ms += ms
         return ms
+
+    def _load_tier(self, req: SimRequest, th: _TierHit, commit: bool) -> float:
+        """The KV beyond that in LMCache's tiers. ``commit``: its blocks join the prefix cache now (a
+        synchronous load is done before anyone can read them); otherwise when the load lands. Returns
+        the ms it takes."""
+        if not th.tokens:
+            return 0.0
+        assert self.tiers is not None
+        self.tiers.retrieve(th.keys)
+        if commit:
+            # Loaded blocks are full and join the prefix cache; LMCache does not store them again.
+            self._cache_full_blocks(req, store=False)
+        req.external_tokens += th.tokens
+        self.stats.external_tokens += th.tokens
+        self.stats.loaded_cpu_tokens += th.cpu_tokens
+        self.stats.loaded_remote_tokens += th.remote_tokens
+        self.stats.load_ms += th.ms
+        return th.ms
+
+    def _land(self, ms: float) -> None:
+        """``ms`` pass on the transfer channel; the requests whose loads finished run from the next step,
+        behind the running ones (vLLM promotes them from its waiting queue), with their blocks cached."""
+        for req in self.channel.advance(ms):
+            self._cache_full_blocks(req, store=False)
+            req.status = Status.RUNNING
+            self.running.append(req)
 
     def _tier_hit(self, req: SimRequest, hit_tokens: int, max_hit_blocks: int) -> _TierHit:
         """Tokens beyond the GPU hit that LMCache's tiers hold (chunk-aligned), the load time, and the
@@ -409,6 +466,7 @@ class EngineCore:
 
     def finish_step(self, plan: StepPlan, now: float) -> list[TokenOutput]:
         self._step_open = False
+        self._land(plan.duration_ms)
         outs: list[TokenOutput] = []
         for s in plan.scheduled:
             req = s.request
@@ -452,6 +510,7 @@ class EngineCore:
         k_max = min(len(r.output) - r.generated for r in self.running) - 1
         if k_max < 2:
             return 0, 0.0
+        max_ms = min(max_ms, self.channel.head_ms())  # a landed load joins the batch at its next step
         batch = len(self.running)
         ctx = sum(r.known_len for r in self.running)
         elapsed, k = 0.0, 0
@@ -477,6 +536,7 @@ class EngineCore:
             if self.kind.cache_while_decoding:
                 self._cache_full_blocks(r)
         self.stats.generation_tokens += k * batch
+        self._land(elapsed)
         return k, elapsed
 
     def _finish(self, req: SimRequest, now: float) -> None:

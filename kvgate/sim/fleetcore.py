@@ -25,6 +25,9 @@ class Accounting:
     pending_requests: int = 0
     decode_requests: int = 0
     decode_tokens: int = 0
+    load_free_at: float = 0.0
+    """When the tier loads sent here will have finished (s, virtual time), had each started on the engine's
+    channel when it was sent: the router's estimate of the channel's backlog, from its own decisions."""
 
     def sent(self, prefill_tokens: int) -> None:
         self.in_flight += 1
@@ -42,6 +45,13 @@ class Accounting:
         self.decode_requests -= 1
         self.decode_tokens -= context_tokens
 
+    def loading(self, ms: float, now: float) -> None:
+        if ms > 0:
+            self.load_free_at = max(self.load_free_at, now) + ms / 1000.0
+
+    def load_backlog_ms(self, now: float) -> float:
+        return max(0.0, self.load_free_at - now) * 1000.0
+
     def view(self, wid: WorkerId, **extra: Any) -> WorkerView:
         return WorkerView(wid, "m", True, self.in_flight, pending_prefill_tokens=self.pending_prefill,
                           pending_requests=self.pending_requests, decode_requests=self.decode_requests,
@@ -50,15 +60,16 @@ class Accounting:
 
 def next_step(core: EngineCore, horizon_ms: float) -> tuple[float, StepPlan | None] | None:
     """An engine's next event in virtual time: (ms, None) for a stretch of pure decode run as one event
-    (up to ``horizon_ms``), (ms, plan) for one scheduled step, None when it has nothing to run. The
-    caller takes the KV events the step produced."""
+    (up to ``horizon_ms``), (ms, plan) for one scheduled step (or a wait for loads), None when it has
+    nothing to run. The caller takes the KV events the step produced."""
     if not core.has_work():
         return None
     steps, ms = core.decode_burst(horizon_ms)
     if steps:
         return ms, None
     plan = core.schedule()
-    return (plan.duration_ms, plan) if plan.scheduled else None
+    # An empty plan with a duration: the engine only waits for tier loads (it polls its connector).
+    return (plan.duration_ms, plan) if plan.scheduled or plan.duration_ms > 0 else None
 
 
 def apply_events(index: PrefixIndex, wid: WorkerId, events: list[KVEvent],

@@ -65,7 +65,7 @@ class EngineRunner:
                 continue
             plan = self.core.schedule()
             self._publish()  # evictions happen at scheduling time
-            if not plan.scheduled:
+            if not plan.scheduled and plan.duration_ms <= 0:
                 # Nothing fits right now (memory); wait for a finish or an abort.
                 self._wake.clear()
                 await self._wake.wait()

@@ -28,7 +28,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvgate.router.cost import CostModel, CostParams
+from kvgate.router.cost import CostModel, CostParams, Reuse
 from kvgate.router.hashing import BlockHash, VllmHasher, event_int
 from kvgate.router.index import PrefixIndex
 from kvgate.router.policies import Policy, make_policy
@@ -115,13 +115,13 @@ class SessionFleet:
         self.engines = [
             EngineCore(profile, self.hasher, tiers=None if not setup.tiers else EngineTiers(
                 self.cpu[self.nodes[i]] if setup.l1 else None, self.remote, tc.chunk_tokens, tc.kv_bytes_per_token,
-                tc.cpu_gbps, tc.remote_gbps, tc.remote_rtt_ms))
+                tc.cpu_gbps, tc.remote_gbps, tc.remote_rtt_ms, async_loads=tc.async_loads))
             for i in range(n_workers)]
         self.index = PrefixIndex()
         self.max_model_len = (profile.num_blocks - 1) * profile.block_size
         params: CostParams = cost or profile.cost_params(
             kv_bytes_per_token=tc.kv_bytes_per_token, cpu_load_gbps=tc.cpu_gbps, remote_load_gbps=tc.remote_gbps,
-            remote_rtt_ms=tc.remote_rtt_ms)
+            remote_rtt_ms=tc.remote_rtt_ms).model_copy(update={"tier_loads": "async" if tc.async_loads else "sync"})
         self.policy = CostModel(params)
         """The cost model: the controller prices prefills with it, and it routes unless ``setup.policy``
         names a reference policy."""
@@ -175,7 +175,8 @@ class SessionFleet:
         return FleetView(tuple(
             self.acct[i].view(wid, kv_usage=self.engines[i].pool.usage(),
                               reserved_tokens=self.reserved[i] if self.setup.plan_waits else 0,
-                              kv_capacity_tokens=cap, node=self.nodes[i])
+                              kv_capacity_tokens=cap, node=self.nodes[i],
+                              load_backlog_ms=self.acct[i].load_backlog_ms(self.now))
             for i, wid in enumerate(self.ids)))
 
     def _route(self, s: _Session, prompt: int, hashes: list[BlockHash]) -> tuple[int, int]:
@@ -192,7 +193,10 @@ class SessionFleet:
                            cpu_tokens=cpu, remote_tokens=remote)
         d = self.router.pick(req, self._views())
         assert d is not None
-        return self.ids.index(d.worker), d.expected_cached_tokens
+        w = self.ids.index(d.worker)
+        remote = d.expected_remote_tokens
+        self.acct[w].loading(self.policy.load_ms(Reuse(0, d.expected_loaded_tokens - remote, remote)), self.now)
+        return w, d.expected_cached_tokens
 
     def _hashes(self, s: _Session, tokens: list[int], common: int | None = None) -> tuple[list[BlockHash], int]:
         """Block hashes of ``tokens``, reusing the session's chain hashes over the common prefix, and the

@@ -103,6 +103,8 @@ class TierConfig:
     cpu_gbps: float = 20.0
     remote_gbps: float = 2.5
     remote_rtt_ms: float = 1.0
+    async_loads: bool = False
+    """The engines load from the tiers asynchronously (``sim.tiers.EngineTiers.async_loads``)."""
 
 
 @dataclass(slots=True)

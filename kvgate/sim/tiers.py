@@ -87,6 +87,11 @@ class EngineTiers:
     remote_rtt_ms: float = 1.0
     save_decode: bool = False
     """LMCache's ``save_decode_cache``: also store chunks of generated tokens."""
+    async_loads: bool = False
+    """LMCache's ``enable_async_loading`` (default False in LMCache's ``v1/config.py``): a request whose
+    prefix comes from a tier waits for its load with its blocks allocated while the rest of the batch
+    keeps stepping (vLLM's ``load_kv_async`` / ``WAITING_FOR_REMOTE_KVS``), instead of the step that
+    admits it waiting for the load (``sim/engine.py``)."""
 
     def chunk_keys(self, hashes: Sequence[BlockHash], block_size: int) -> list[BlockHash]:
         return chunk_keys(hashes, block_size, self.chunk_tokens)
@@ -156,6 +161,8 @@ class FleetTiers:
     cpu_gbps: float = 20.0
     pool_gbps: float = MOONCAKE_POOL_GBPS
     pool_rtt_ms: float = MOONCAKE_POOL_RTT_MS
+    async_loads: bool = False
+    """The engines load asynchronously (``EngineTiers.async_loads``)."""
 
     def node_of(self, worker: int) -> str:
         return f"node{worker // self.workers_per_node}"
@@ -171,4 +178,4 @@ class FleetTiers:
 
     def engine_tiers(self, worker: int, cpu: dict[str, TierPool], pool: TierPool) -> EngineTiers:
         return EngineTiers(cpu.get(self.node_of(worker)), pool, self.chunk_tokens, self.kv_bytes_per_token,
-                           self.cpu_gbps, self.pool_gbps, self.pool_rtt_ms)
+                           self.cpu_gbps, self.pool_gbps, self.pool_rtt_ms, async_loads=self.async_loads)
