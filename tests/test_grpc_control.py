@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from typing import Any
+from typing import Any, Literal, get_origin
 
 import grpc
 import httpx
@@ -226,7 +226,8 @@ def test_cost_params_message_mirrors_the_cost_model() -> None:
     fields = ppb.CostParams.DESCRIPTOR.fields_by_name
     assert list(fields) == list(CostParams.model_fields)
     for name, f in CostParams.model_fields.items():
-        want = fields[name].CPPTYPE_INT64 if f.annotation is int else fields[name].CPPTYPE_DOUBLE
+        want = (fields[name].CPPTYPE_INT64 if f.annotation is int else fields[name].CPPTYPE_STRING
+                if get_origin(f.annotation) is Literal else fields[name].CPPTYPE_DOUBLE)
         assert fields[name].cpp_type == want, name
 
 

@@ -49,7 +49,7 @@ def cost_pb(p: CostParams) -> ppb.CostParams:
     return ppb.CostParams(**p.model_dump())
 
 
-def cost_changes(msg: ppb.CostParams) -> dict[str, float | int]:
+def cost_changes(msg: ppb.CostParams) -> dict[str, float | int | str]:
     """The fields an update sets (proto3 ``optional``: presence is what was asked)."""
     return {f.name: v for f, v in msg.ListFields()}
 

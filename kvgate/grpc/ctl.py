@@ -74,7 +74,9 @@ def _cost(changes: Sequence[str]) -> ppb.CostParams:
         if not sep or name not in fields:
             raise SystemExit(f"policy set: expected FIELD=VALUE with FIELD one of {', '.join(fields)}; got {c!r}")
         try:
-            setattr(out, name, int(value) if fields[name].cpp_type == fields[name].CPPTYPE_INT64 else float(value))
+            kind = fields[name].cpp_type
+            setattr(out, name, value if kind == fields[name].CPPTYPE_STRING
+                    else int(value) if kind == fields[name].CPPTYPE_INT64 else float(value))
         except ValueError:
             raise SystemExit(f"policy set: {name}: not a number: {value!r}") from None
     return out

@@ -109,7 +109,7 @@ class PolicyService(pgrpc.PolicyServicer):
         return self._state()
 
     async def UpdatePolicy(self, request: ppb.UpdatePolicyRequest, context: Context) -> ppb.UpdatePolicyResponse:
-        changes: dict[str, float | int | None] = {**cost_changes(request.cost)}
+        changes: dict[str, float | int | str | None] = {**cost_changes(request.cost)}
 
         async def apply() -> ppb.UpdatePolicyResponse:
             for name in request.clear_pins:

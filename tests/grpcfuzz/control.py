@@ -91,6 +91,8 @@ def explain_request(draw: st.DrawFn) -> bytes:
 def _cost_value(f: Any) -> st.SearchStrategy[Any]:
     """Mostly what the field takes, so a fair share of updates is accepted and what they set can be
     checked; else NaN, ±Inf, huge, subnormal, negative, out-of-range int64."""
+    if f.cpp_type == f.CPPTYPE_STRING:  # a mode (tier_loads): one it knows, or any text
+        return st.sampled_from(["sync", "async"]) | st.sampled_from(["", "SYNC", "a" * 5000, "\x00"]) | PTEXT
     if f.cpp_type == f.CPPTYPE_INT64:
         valid: st.SearchStrategy[Any] = st.integers(1, 10**6)
         hostile: st.SearchStrategy[Any] = st.integers(-(2**63), 2**63 - 1) | st.sampled_from(
@@ -199,9 +201,12 @@ async def get_policy(side: Side) -> bytes:
     return out.data
 
 
-def cost_bounded(cost: ppb.CostParams) -> list[tuple[str, float]]:
+def cost_bounded(cost: ppb.CostParams) -> list[tuple[str, float | str]]:
+    """Parameters out of their bounds: a number not finite or too big, a mode not one the model knows."""
+    modes = {"tier_loads": ("sync", "async")}
     return [(f.name, v) for f, v in cost.ListFields()
-            if not (math.isfinite(v) and (abs(v) <= MAX_INT if isinstance(v, int) else abs(v) <= MAX_ABS))]
+            if (v not in modes.get(f.name, ()) if isinstance(v, str)
+                else not (math.isfinite(v) and (abs(v) <= MAX_INT if isinstance(v, int) else abs(v) <= MAX_ABS)))]
 
 
 async def control(fleet: Fleet, side: Side, method: str, data: bytes, md: tuple[tuple[str, str | bytes], ...],

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvgate/v1/policy.proto\x12\tkvgate.v1\"\xec\x07\n\nCostParams\x12\x12\n\x05p0_ms\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05p1_ms\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05p2_ms\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x16\n\tp_attn_ms\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x16\n\tdecode_ms\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\"\n\x15\x64\x65\x63ode_ms_per_request\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x19\n\x0c\x64\x65\x63ode_u1_ms\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x19\n\x0c\x64\x65\x63ode_u2_ms\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x1f\n\x12kv_capacity_tokens\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x19\n\x0ctoken_budget\x18\n \x01(\x03H\t\x88\x01\x01\x12\x1e\n\x11\x61\x66\x66inity_bonus_ms\x18\x0b \x01(\x01H\n\x88\x01\x01\x12$\n\x17\x61\x66\x66inity_cache_fraction\x18\x0c \x01(\x01H\x0b\x88\x01\x01\x12\x1f\n\x12\x65xternality_weight\x18\r \x01(\x01H\x0c\x88\x01\x01\x12\x1b\n\x0e\x62\x61\x63klog_weight\x18\x0e \x01(\x01H\r\x88\x01\x01\x12\x19\n\x0cload_epsilon\x18\x0f \x01(\x01H\x0e\x88\x01\x01\x12\x1f\n\x12kv_bytes_per_token\x18\x10 \x01(\x03H\x0f\x88\x01\x01\x12\x1a\n\rcpu_load_gbps\x18\x11 \x01(\x01H\x10\x88\x01\x01\x12\x1d\n\x10remote_load_gbps\x18\x12 \x01(\x01H\x11\x88\x01\x01\x12\x1a\n\rremote_rtt_ms\x18\x13 \x01(\x01H\x12\x88\x01\x01\x12\x1f\n\x12reservation_weight\x18\x14 \x01(\x01H\x13\x88\x01\x01\x12\x1d\n\x10slot_wait_weight\x18\x15 \x01(\x01H\x14\x88\x01\x01\x42\x08\n\x06_p0_msB\x08\n\x06_p1_msB\x08\n\x06_p2_msB\x0c\n\n_p_attn_msB\x0c\n\n_decode_msB\x18\n\x16_decode_ms_per_requestB\x0f\n\r_decode_u1_msB\x0f\n\r_decode_u2_msB\x15\n\x13_kv_capacity_tokensB\x0f\n\r_token_budgetB\x14\n\x12_affinity_bonus_msB\x1a\n\x18_affinity_cache_fractionB\x15\n\x13_externality_weightB\x11\n\x0f_backlog_weightB\x0f\n\r_load_epsilonB\x15\n\x13_kv_bytes_per_tokenB\x10\n\x0e_cpu_load_gbpsB\x13\n\x11_remote_load_gbpsB\x10\n\x0e_remote_rtt_msB\x15\n\x13_reservation_weightB\x13\n\x11_slot_wait_weight\"\x12\n\x10GetPolicyRequest\"S\n\x0bPolicyState\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12#\n\x04\x63ost\x18\x02 \x01(\x0b\x32\x15.kvgate.v1.CostParams\x12\x0f\n\x07version\x18\x03 \x01(\x03\"^\n\x13UpdatePolicyRequest\x12#\n\x04\x63ost\x18\x01 \x01(\x0b\x32\x15.kvgate.v1.CostParams\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\nclear_pins\x18\x03 \x03(\t\"f\n\x14UpdatePolicyResponse\x12%\n\x05state\x18\x01 \x01(\x0b\x32\x16.kvgate.v1.PolicyState\x12\'\n\x06\x63hange\x18\x02 \x01(\x0b\x32\x17.kvgate.v1.PolicyChange\"B\n\x0b\x46ieldChange\x12\r\n\x05\x66ield\x18\x01 \x01(\t\x12\x11\n\told_value\x18\x02 \x01(\x01\x12\x11\n\tnew_value\x18\x03 \x01(\x01\"\x80\x01\n\x0cPolicyChange\x12\x0c\n\x04time\x18\x01 \x01(\x01\x12\x0b\n\x03who\x18\x02 \x01(\t\x12\x0b\n\x03via\x18\x03 \x01(\t\x12\'\n\x07\x63hanges\x18\x04 \x03(\x0b\x32\x16.kvgate.v1.FieldChange\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x0f\n\x07version\x18\x06 \x01(\x03\")\n\x18ListPolicyChangesRequest\x12\r\n\x05limit\x18\x01 \x01(\x05\"E\n\x19ListPolicyChangesResponse\x12(\n\x07\x63hanges\x18\x01 \x03(\x0b\x32\x17.kvgate.v1.PolicyChange2\xfb\x01\n\x06Policy\x12@\n\tGetPolicy\x12\x1b.kvgate.v1.GetPolicyRequest\x1a\x16.kvgate.v1.PolicyState\x12O\n\x0cUpdatePolicy\x12\x1e.kvgate.v1.UpdatePolicyRequest\x1a\x1f.kvgate.v1.UpdatePolicyResponse\x12^\n\x11ListPolicyChanges\x12#.kvgate.v1.ListPolicyChangesRequest\x1a$.kvgate.v1.ListPolicyChangesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvgate/v1/policy.proto\x12\tkvgate.v1\"\x94\x08\n\nCostParams\x12\x12\n\x05p0_ms\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05p1_ms\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05p2_ms\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x16\n\tp_attn_ms\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x16\n\tdecode_ms\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\"\n\x15\x64\x65\x63ode_ms_per_request\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x19\n\x0c\x64\x65\x63ode_u1_ms\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x19\n\x0c\x64\x65\x63ode_u2_ms\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x1f\n\x12kv_capacity_tokens\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x19\n\x0ctoken_budget\x18\n \x01(\x03H\t\x88\x01\x01\x12\x1e\n\x11\x61\x66\x66inity_bonus_ms\x18\x0b \x01(\x01H\n\x88\x01\x01\x12$\n\x17\x61\x66\x66inity_cache_fraction\x18\x0c \x01(\x01H\x0b\x88\x01\x01\x12\x1f\n\x12\x65xternality_weight\x18\r \x01(\x01H\x0c\x88\x01\x01\x12\x1b\n\x0e\x62\x61\x63klog_weight\x18\x0e \x01(\x01H\r\x88\x01\x01\x12\x19\n\x0cload_epsilon\x18\x0f \x01(\x01H\x0e\x88\x01\x01\x12\x1f\n\x12kv_bytes_per_token\x18\x10 \x01(\x03H\x0f\x88\x01\x01\x12\x1a\n\rcpu_load_gbps\x18\x11 \x01(\x01H\x10\x88\x01\x01\x12\x1d\n\x10remote_load_gbps\x18\x12 \x01(\x01H\x11\x88\x01\x01\x12\x1a\n\rremote_rtt_ms\x18\x13 \x01(\x01H\x12\x88\x01\x01\x12\x1f\n\x12reservation_weight\x18\x14 \x01(\x01H\x13\x88\x01\x01\x12\x1d\n\x10slot_wait_weight\x18\x15 \x01(\x01H\x14\x88\x01\x01\x12\x17\n\ntier_loads\x18\x16 \x01(\tH\x15\x88\x01\x01\x42\x08\n\x06_p0_msB\x08\n\x06_p1_msB\x08\n\x06_p2_msB\x0c\n\n_p_attn_msB\x0c\n\n_decode_msB\x18\n\x16_decode_ms_per_requestB\x0f\n\r_decode_u1_msB\x0f\n\r_decode_u2_msB\x15\n\x13_kv_capacity_tokensB\x0f\n\r_token_budgetB\x14\n\x12_affinity_bonus_msB\x1a\n\x18_affinity_cache_fractionB\x15\n\x13_externality_weightB\x11\n\x0f_backlog_weightB\x0f\n\r_load_epsilonB\x15\n\x13_kv_bytes_per_tokenB\x10\n\x0e_cpu_load_gbpsB\x13\n\x11_remote_load_gbpsB\x10\n\x0e_remote_rtt_msB\x15\n\x13_reservation_weightB\x13\n\x11_slot_wait_weightB\r\n\x0b_tier_loads\"\x12\n\x10GetPolicyRequest\"S\n\x0bPolicyState\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12#\n\x04\x63ost\x18\x02 \x01(\x0b\x32\x15.kvgate.v1.CostParams\x12\x0f\n\x07version\x18\x03 \x01(\x03\"^\n\x13UpdatePolicyRequest\x12#\n\x04\x63ost\x18\x01 \x01(\x0b\x32\x15.kvgate.v1.CostParams\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\nclear_pins\x18\x03 \x03(\t\"f\n\x14UpdatePolicyResponse\x12%\n\x05state\x18\x01 \x01(\x0b\x32\x16.kvgate.v1.PolicyState\x12\'\n\x06\x63hange\x18\x02 \x01(\x0b\x32\x17.kvgate.v1.PolicyChange\"B\n\x0b\x46ieldChange\x12\r\n\x05\x66ield\x18\x01 \x01(\t\x12\x11\n\told_value\x18\x02 \x01(\x01\x12\x11\n\tnew_value\x18\x03 \x01(\x01\"\x80\x01\n\x0cPolicyChange\x12\x0c\n\x04time\x18\x01 \x01(\x01\x12\x0b\n\x03who\x18\x02 \x01(\t\x12\x0b\n\x03via\x18\x03 \x01(\t\x12\'\n\x07\x63hanges\x18\x04 \x03(\x0b\x32\x16.kvgate.v1.FieldChange\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x0f\n\x07version\x18\x06 \x01(\x03\")\n\x18ListPolicyChangesRequest\x12\r\n\x05limit\x18\x01 \x01(\x05\"E\n\x19ListPolicyChangesResponse\x12(\n\x07\x63hanges\x18\x01 \x03(\x0b\x32\x17.kvgate.v1.PolicyChange2\xfb\x01\n\x06Policy\x12@\n\tGetPolicy\x12\x1b.kvgate.v1.GetPolicyRequest\x1a\x16.kvgate.v1.PolicyState\x12O\n\x0cUpdatePolicy\x12\x1e.kvgate.v1.UpdatePolicyRequest\x1a\x1f.kvgate.v1.UpdatePolicyResponse\x12^\n\x11ListPolicyChanges\x12#.kvgate.v1.ListPolicyChangesRequest\x1a$.kvgate.v1.ListPolicyChangesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,23 +32,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvgate.v1.policy_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_COSTPARAMS']._serialized_start=38
-  _globals['_COSTPARAMS']._serialized_end=1042
-  _globals['_GETPOLICYREQUEST']._serialized_start=1044
-  _globals['_GETPOLICYREQUEST']._serialized_end=1062
-  _globals['_POLICYSTATE']._serialized_start=1064
-  _globals['_POLICYSTATE']._serialized_end=1147
-  _globals['_UPDATEPOLICYREQUEST']._serialized_start=1149
-  _globals['_UPDATEPOLICYREQUEST']._serialized_end=1243
-  _globals['_UPDATEPOLICYRESPONSE']._serialized_start=1245
-  _globals['_UPDATEPOLICYRESPONSE']._serialized_end=1347
-  _globals['_FIELDCHANGE']._serialized_start=1349
-  _globals['_FIELDCHANGE']._serialized_end=1415
-  _globals['_POLICYCHANGE']._serialized_start=1418
-  _globals['_POLICYCHANGE']._serialized_end=1546
-  _globals['_LISTPOLICYCHANGESREQUEST']._serialized_start=1548
-  _globals['_LISTPOLICYCHANGESREQUEST']._serialized_end=1589
-  _globals['_LISTPOLICYCHANGESRESPONSE']._serialized_start=1591
-  _globals['_LISTPOLICYCHANGESRESPONSE']._serialized_end=1660
-  _globals['_POLICY']._serialized_start=1663
-  _globals['_POLICY']._serialized_end=1914
+  _globals['_COSTPARAMS']._serialized_end=1082
+  _globals['_GETPOLICYREQUEST']._serialized_start=1084
+  _globals['_GETPOLICYREQUEST']._serialized_end=1102
+  _globals['_POLICYSTATE']._serialized_start=1104
+  _globals['_POLICYSTATE']._serialized_end=1187
+  _globals['_UPDATEPOLICYREQUEST']._serialized_start=1189
+  _globals['_UPDATEPOLICYREQUEST']._serialized_end=1283
+  _globals['_UPDATEPOLICYRESPONSE']._serialized_start=1285
+  _globals['_UPDATEPOLICYRESPONSE']._serialized_end=1387
+  _globals['_FIELDCHANGE']._serialized_start=1389
+  _globals['_FIELDCHANGE']._serialized_end=1455
+  _globals['_POLICYCHANGE']._serialized_start=1458
+  _globals['_POLICYCHANGE']._serialized_end=1586
+  _globals['_LISTPOLICYCHANGESREQUEST']._serialized_start=1588
+  _globals['_LISTPOLICYCHANGESREQUEST']._serialized_end=1629
+  _globals['_LISTPOLICYCHANGESRESPONSE']._serialized_start=1631
+  _globals['_LISTPOLICYCHANGESRESPONSE']._serialized_end=1700
+  _globals['_POLICY']._serialized_start=1703
+  _globals['_POLICY']._serialized_end=1954
 # @@protoc_insertion_point(module_scope)

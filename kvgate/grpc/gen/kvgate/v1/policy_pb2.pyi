@@ -50,6 +50,7 @@ class CostParams(_message.Message):
     REMOTE_RTT_MS_FIELD_NUMBER: _builtins.int
     RESERVATION_WEIGHT_FIELD_NUMBER: _builtins.int
     SLOT_WAIT_WEIGHT_FIELD_NUMBER: _builtins.int
+    TIER_LOADS_FIELD_NUMBER: _builtins.int
     p0_ms: _builtins.float
     """Fixed cost of one prefill pass, ms (>= 0)."""
     p1_ms: _builtins.float
@@ -94,6 +95,10 @@ class CostParams(_message.Message):
     """Price of evicting a parked session's KV, as a fraction of recomputing it (>= 0)."""
     slot_wait_weight: _builtins.float
     """Weight of the wait for a running slot on a worker whose engine runs all it can at once (>= 0)."""
+    tier_loads: _builtins.str
+    """How the engines wait for a tier load: "sync" stalls the step that admits it (LMCache's default),
+    "async" waits alone, queued on the worker's transfer channel (LMCache enable_async_loading).
+    """
     def __init__(
         self,
         *,
@@ -118,10 +123,11 @@ class CostParams(_message.Message):
         remote_rtt_ms: _builtins.float | None = ...,
         reservation_weight: _builtins.float | None = ...,
         slot_wait_weight: _builtins.float | None = ...,
+        tier_loads: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_affinity_bonus_ms", b"_affinity_bonus_ms", "_affinity_cache_fraction", b"_affinity_cache_fraction", "_backlog_weight", b"_backlog_weight", "_cpu_load_gbps", b"_cpu_load_gbps", "_decode_ms", b"_decode_ms", "_decode_ms_per_request", b"_decode_ms_per_request", "_decode_u1_ms", b"_decode_u1_ms", "_decode_u2_ms", b"_decode_u2_ms", "_externality_weight", b"_externality_weight", "_kv_bytes_per_token", b"_kv_bytes_per_token", "_kv_capacity_tokens", b"_kv_capacity_tokens", "_load_epsilon", b"_load_epsilon", "_p0_ms", b"_p0_ms", "_p1_ms", b"_p1_ms", "_p2_ms", b"_p2_ms", "_p_attn_ms", b"_p_attn_ms", "_remote_load_gbps", b"_remote_load_gbps", "_remote_rtt_ms", b"_remote_rtt_ms", "_reservation_weight", b"_reservation_weight", "_slot_wait_weight", b"_slot_wait_weight", "_token_budget", b"_token_budget", "affinity_bonus_ms", b"affinity_bonus_ms", "affinity_cache_fraction", b"affinity_cache_fraction", "backlog_weight", b"backlog_weight", "cpu_load_gbps", b"cpu_load_gbps", "decode_ms", b"decode_ms", "decode_ms_per_request", b"decode_ms_per_request", "decode_u1_ms", b"decode_u1_ms", "decode_u2_ms", b"decode_u2_ms", "externality_weight", b"externality_weight", "kv_bytes_per_token", b"kv_bytes_per_token", "kv_capacity_tokens", b"kv_capacity_tokens", "load_epsilon", b"load_epsilon", "p0_ms", b"p0_ms", "p1_ms", b"p1_ms", "p2_ms", b"p2_ms", "p_attn_ms", b"p_attn_ms", "remote_load_gbps", b"remote_load_gbps", "remote_rtt_ms", b"remote_rtt_ms", "reservation_weight", b"reservation_weight", "slot_wait_weight", b"slot_wait_weight", "token_budget", b"token_budget"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_affinity_bonus_ms", b"_affinity_bonus_ms", "_affinity_cache_fraction", b"_affinity_cache_fraction", "_backlog_weight", b"_backlog_weight", "_cpu_load_gbps", b"_cpu_load_gbps", "_decode_ms", b"_decode_ms", "_decode_ms_per_request", b"_decode_ms_per_request", "_decode_u1_ms", b"_decode_u1_ms", "_decode_u2_ms", b"_decode_u2_ms", "_externality_weight", b"_externality_weight", "_kv_bytes_per_token", b"_kv_bytes_per_token", "_kv_capacity_tokens", b"_kv_capacity_tokens", "_load_epsilon", b"_load_epsilon", "_p0_ms", b"_p0_ms", "_p1_ms", b"_p1_ms", "_p2_ms", b"_p2_ms", "_p_attn_ms", b"_p_attn_ms", "_remote_load_gbps", b"_remote_load_gbps", "_remote_rtt_ms", b"_remote_rtt_ms", "_reservation_weight", b"_reservation_weight", "_slot_wait_weight", b"_slot_wait_weight", "_tier_loads", b"_tier_loads", "_token_budget", b"_token_budget", "affinity_bonus_ms", b"affinity_bonus_ms", "affinity_cache_fraction", b"affinity_cache_fraction", "backlog_weight", b"backlog_weight", "cpu_load_gbps", b"cpu_load_gbps", "decode_ms", b"decode_ms", "decode_ms_per_request", b"decode_ms_per_request", "decode_u1_ms", b"decode_u1_ms", "decode_u2_ms", b"decode_u2_ms", "externality_weight", b"externality_weight", "kv_bytes_per_token", b"kv_bytes_per_token", "kv_capacity_tokens", b"kv_capacity_tokens", "load_epsilon", b"load_epsilon", "p0_ms", b"p0_ms", "p1_ms", b"p1_ms", "p2_ms", b"p2_ms", "p_attn_ms", b"p_attn_ms", "remote_load_gbps", b"remote_load_gbps", "remote_rtt_ms", b"remote_rtt_ms", "reservation_weight", b"reservation_weight", "slot_wait_weight", b"slot_wait_weight", "tier_loads", b"tier_loads", "token_budget", b"token_budget"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_affinity_bonus_ms", b"_affinity_bonus_ms", "_affinity_cache_fraction", b"_affinity_cache_fraction", "_backlog_weight", b"_backlog_weight", "_cpu_load_gbps", b"_cpu_load_gbps", "_decode_ms", b"_decode_ms", "_decode_ms_per_request", b"_decode_ms_per_request", "_decode_u1_ms", b"_decode_u1_ms", "_decode_u2_ms", b"_decode_u2_ms", "_externality_weight", b"_externality_weight", "_kv_bytes_per_token", b"_kv_bytes_per_token", "_kv_capacity_tokens", b"_kv_capacity_tokens", "_load_epsilon", b"_load_epsilon", "_p0_ms", b"_p0_ms", "_p1_ms", b"_p1_ms", "_p2_ms", b"_p2_ms", "_p_attn_ms", b"_p_attn_ms", "_remote_load_gbps", b"_remote_load_gbps", "_remote_rtt_ms", b"_remote_rtt_ms", "_reservation_weight", b"_reservation_weight", "_slot_wait_weight", b"_slot_wait_weight", "_token_budget", b"_token_budget", "affinity_bonus_ms", b"affinity_bonus_ms", "affinity_cache_fraction", b"affinity_cache_fraction", "backlog_weight", b"backlog_weight", "cpu_load_gbps", b"cpu_load_gbps", "decode_ms", b"decode_ms", "decode_ms_per_request", b"decode_ms_per_request", "decode_u1_ms", b"decode_u1_ms", "decode_u2_ms", b"decode_u2_ms", "externality_weight", b"externality_weight", "kv_bytes_per_token", b"kv_bytes_per_token", "kv_capacity_tokens", b"kv_capacity_tokens", "load_epsilon", b"load_epsilon", "p0_ms", b"p0_ms", "p1_ms", b"p1_ms", "p2_ms", b"p2_ms", "p_attn_ms", b"p_attn_ms", "remote_load_gbps", b"remote_load_gbps", "remote_rtt_ms", b"remote_rtt_ms", "reservation_weight", b"reservation_weight", "slot_wait_weight", b"slot_wait_weight", "token_budget", b"token_budget"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_affinity_bonus_ms", b"_affinity_bonus_ms", "_affinity_cache_fraction", b"_affinity_cache_fraction", "_backlog_weight", b"_backlog_weight", "_cpu_load_gbps", b"_cpu_load_gbps", "_decode_ms", b"_decode_ms", "_decode_ms_per_request", b"_decode_ms_per_request", "_decode_u1_ms", b"_decode_u1_ms", "_decode_u2_ms", b"_decode_u2_ms", "_externality_weight", b"_externality_weight", "_kv_bytes_per_token", b"_kv_bytes_per_token", "_kv_capacity_tokens", b"_kv_capacity_tokens", "_load_epsilon", b"_load_epsilon", "_p0_ms", b"_p0_ms", "_p1_ms", b"_p1_ms", "_p2_ms", b"_p2_ms", "_p_attn_ms", b"_p_attn_ms", "_remote_load_gbps", b"_remote_load_gbps", "_remote_rtt_ms", b"_remote_rtt_ms", "_reservation_weight", b"_reservation_weight", "_slot_wait_weight", b"_slot_wait_weight", "_tier_loads", b"_tier_loads", "_token_budget", b"_token_budget", "affinity_bonus_ms", b"affinity_bonus_ms", "affinity_cache_fraction", b"affinity_cache_fraction", "backlog_weight", b"backlog_weight", "cpu_load_gbps", b"cpu_load_gbps", "decode_ms", b"decode_ms", "decode_ms_per_request", b"decode_ms_per_request", "decode_u1_ms", b"decode_u1_ms", "decode_u2_ms", b"decode_u2_ms", "externality_weight", b"externality_weight", "kv_bytes_per_token", b"kv_bytes_per_token", "kv_capacity_tokens", b"kv_capacity_tokens", "load_epsilon", b"load_epsilon", "p0_ms", b"p0_ms", "p1_ms", b"p1_ms", "p2_ms", b"p2_ms", "p_attn_ms", b"p_attn_ms", "remote_load_gbps", b"remote_load_gbps", "remote_rtt_ms", b"remote_rtt_ms", "reservation_weight", b"reservation_weight", "slot_wait_weight", b"slot_wait_weight", "tier_loads", b"tier_loads", "token_budget", b"token_budget"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__affinity_bonus_ms: _TypeAlias = _typing.Literal["affinity_bonus_ms"]  # noqa: Y015
     _WhichOneofArgType__affinity_bonus_ms: _TypeAlias = _typing.Literal["_affinity_bonus_ms", b"_affinity_bonus_ms"]  # noqa: Y015
@@ -163,6 +169,8 @@ class CostParams(_message.Message):
     _WhichOneofArgType__reservation_weight: _TypeAlias = _typing.Literal["_reservation_weight", b"_reservation_weight"]  # noqa: Y015
     _WhichOneofReturnType__slot_wait_weight: _TypeAlias = _typing.Literal["slot_wait_weight"]  # noqa: Y015
     _WhichOneofArgType__slot_wait_weight: _TypeAlias = _typing.Literal["_slot_wait_weight", b"_slot_wait_weight"]  # noqa: Y015
+    _WhichOneofReturnType__tier_loads: _TypeAlias = _typing.Literal["tier_loads"]  # noqa: Y015
+    _WhichOneofArgType__tier_loads: _TypeAlias = _typing.Literal["_tier_loads", b"_tier_loads"]  # noqa: Y015
     _WhichOneofReturnType__token_budget: _TypeAlias = _typing.Literal["token_budget"]  # noqa: Y015
     _WhichOneofArgType__token_budget: _TypeAlias = _typing.Literal["_token_budget", b"_token_budget"]  # noqa: Y015
     @_typing.overload
@@ -205,6 +213,8 @@ class CostParams(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__reservation_weight) -> _WhichOneofReturnType__reservation_weight | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__slot_wait_weight) -> _WhichOneofReturnType__slot_wait_weight | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__tier_loads) -> _WhichOneofReturnType__tier_loads | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__token_budget) -> _WhichOneofReturnType__token_budget | None: ...
 
