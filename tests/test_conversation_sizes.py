@@ -101,3 +101,15 @@ def test_a_record_changed_behind_its_sizes_is_measured_afresh() -> None:
     assert grown.body_bytes() == walk_body(grown) > conv.body_bytes()
     tight = Limits(max_bytes=walk_body(grown) - 1)
     assert grown.within(tight) == walk_within(grown, tight)
+
+
+def test_trimming_stops_on_the_bound_itself() -> None:
+    """A record exactly at the bound once the oldest reply is gone keeps every other reply."""
+    chain = Chain("t" * 5_000, array("I", range(100)), array("I"), array("I"))
+    conv = Conversation(ConversationId("c"))
+    for i in range(3):
+        reply = {"role": "assistant", "content": "a" * 300}
+        conv = conv.with_reply("m", ({"role": "user", "content": f"u{i}"},), reply, None, chain, None, Limits())
+    at = walk_body(replace(conv, chain=None, exact=conv.exact[1:]))
+    got = conv.within(Limits(max_bytes=at))
+    assert got == walk_within(conv, Limits(max_bytes=at)) and len(got.exact) == 2
