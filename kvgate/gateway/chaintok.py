@@ -60,6 +60,7 @@ class ChainTokenizer:
         self._split = re.compile("|".join(re.escape(t) for t in tokens)) if tokens else None
         self._anchored = self._split is not None and tok.plain_added_tokens()
         """Anchors found as the added tokens' strings, not from every token's offset."""
+        self._ids = {t: i for t in tok.special_tokens if (i := tok.token_to_id(t)) is not None}
         self.retokenized_chars = 0
 
     async def chain(self, prev: Chain | None, text: str, stop: Stop | None = None
@@ -129,7 +130,10 @@ class ChainTokenizer:
         """What of ``prev`` stays valid for ``text``: its tokens up to the last added token (an anchor)
         before the first changed character — the texts agree up to there, so no scan is needed."""
         if prev is not None and prev.text:
-            i = bisect.bisect_right(prev.anchor_chars, common_prefix(prev.text, text)) - 1
+            # The usual turn extends the chain's text: startswith compares in place, where the slices of
+            # common_prefix copy both texts (38 us of a 34k-character prompt).
+            same = len(prev.text) if text.startswith(prev.text) else common_prefix(prev.text, text)
+            i = bisect.bisect_right(prev.anchor_chars, same) - 1
             if i >= 0 and prev.anchor_chars[i] > 0:
                 split, k = prev.anchor_chars[i], prev.anchor_tokens[i]
                 # Block hashes carry over for the blocks wholly inside the kept tokens.
@@ -151,13 +155,13 @@ class ChainTokenizer:
         """Per piece: its ids, and the character offset and token index of each added token in it."""
         if self._anchored:
             assert self._split is not None
-            chars = [[m.start() for m in self._split.finditer(p)] for p in pieces]
-            got = self.tok.encode_anchored(pieces, chars, release_gil)
+            found = [[(m.start(), self._ids.get(m.group(), -1)) for m in self._split.finditer(p)] for p in pieces]
+            got = self.tok.encode_anchored(pieces, found, release_gil)
             out: list[Encoded] = []
-            for (ids, toks), cs in zip(got, chars, strict=True):
-                if not all(t is not None and ids[t] in self.added for t in toks):
+            for (ids, toks), anchors in zip(got, found, strict=True):
+                if None in toks:
                     break  # an added token's string not tokenized as it: read every token's offset
-                out.append((ids, cs, [t for t in toks if t is not None]))
+                out.append((ids, [c for c, _ in anchors], [t for t in toks if t is not None]))
             else:
                 return out
         encoded = (self.tok.encode_batch_with_starts(pieces) if release_gil or len(pieces) != 1

@@ -22,6 +22,7 @@ from typing import Any
 
 from kvgate.router.residency import Residency
 from kvgate.router.types import ConversationId, WorkerId
+from kvgate.sequences import common_prefix
 from kvgate.session.state import SessionState
 
 Message = dict[str, Any]
@@ -164,6 +165,8 @@ class Conversation:
     empty for a record that was never reset."""
     extras: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, compare=False)
     """Fields written by a newer kvgate that this one does not know, kept to be written back."""
+    sizes: BodySizes | None = field(default=None, compare=False, repr=False)
+    """What ``body_bytes`` last measured of this record or one before it (derived, never stored)."""
 
     def with_turn(self, turn: TurnRecord, limits: Limits) -> Conversation:
         return replace(self, home=turn.worker, last_activity=turn.at, turns=(*self.turns, turn)[-limits.max_turns:],
@@ -179,19 +182,81 @@ class Conversation:
         return conv.within(limits)
 
     def within(self, limits: Limits) -> Conversation:
+        """The record cut to ``limits.max_bytes``: the chain dropped first, then the oldest exact replies,
+        then the history (with the tools and response ids). Sized from ``sizes``: a turn costs what it
+        added, not a walk of the whole history."""
+        m = self.measured()
+        total = m.total + (self.chain.nbytes if self.chain is not None else 0)
+        if total <= limits.max_bytes:
+            return replace(self, sizes=m) if m is not self.sizes else self
         conv = self
-        if conv.body_bytes() > limits.max_bytes and conv.chain is not None:
+        if conv.chain is not None:
+            total -= conv.chain.nbytes
             conv = replace(conv, chain=None)
-        while conv.body_bytes() > limits.max_bytes and conv.exact:
-            conv = replace(conv, exact=conv.exact[1:])
-        if conv.body_bytes() > limits.max_bytes:
+        drop = 0
+        while total > limits.max_bytes and drop < len(m.exact_sizes):
+            total -= m.exact_sizes[drop]
+            drop += 1
+        if drop:
+            exact = conv.exact[drop:]
+            m = BodySizes(m.history, m.history_sizes, exact, m.exact_sizes[drop:], m.tools, m.tools_bytes,
+                          m.total - sum(m.exact_sizes[:drop]))
+            conv = replace(conv, exact=exact)
+        if total > limits.max_bytes:
             conv = replace(conv, history=(), tools=None, responses=())
-        return conv
+            return replace(conv, sizes=BodySizes((), array("q"), conv.exact, m.exact_sizes, None, 0,
+                                                 sum(m.exact_sizes)))
+        return replace(conv, sizes=m)
 
     def body_bytes(self) -> int:
         chain = self.chain.nbytes if self.chain is not None else 0
-        tools = _value_bytes(self.tools) if self.tools else 0
-        return chain + _messages_bytes(self.history) + _messages_bytes(self.exact) + tools
+        return self.measured().total + chain
+
+    def measured(self) -> BodySizes:
+        """The sizes of this record's history, exact replies and tools, measuring only the parts that
+        ``sizes`` (an earlier version's) does not hold."""
+        m = self.sizes
+        if m is not None and m.history is self.history and m.exact is self.exact and m.tools is self.tools:
+            return m
+        h = _item_sizes(self.history, m.history if m else (), m.history_sizes if m else array("q"))
+        e = _item_sizes(self.exact, m.exact if m else (), m.exact_sizes if m else array("q"))
+        if m is not None and (m.tools is self.tools or m.tools == self.tools):
+            tools = m.tools_bytes  # the request's tools, parsed again each turn: equal, the same size
+        else:
+            tools = _value_bytes(self.tools) if self.tools else 0
+        return BodySizes(self.history, h, self.exact, e, self.tools, tools, sum(h) + sum(e) + tools)
+
+
+class BodySizes:
+    """A record's body sizes as measured, with the parts they measure (held: identity says which parts
+    a later version shares). A plain slotted class, not a dataclass or tuple: the store's byte
+    accounting walks those whole, and would walk the history again through this every write."""
+
+    __slots__ = ("exact", "exact_sizes", "history", "history_sizes", "tools", "tools_bytes", "total")
+
+    def __init__(self, history: tuple[Message, ...], history_sizes: array[int], exact: tuple[Message, ...],
+                 exact_sizes: array[int], tools: Any, tools_bytes: int, total: int) -> None:
+        self.history, self.history_sizes = history, history_sizes
+        self.exact, self.exact_sizes = exact, exact_sizes
+        self.tools, self.tools_bytes, self.total = tools, tools_bytes, total
+
+
+def _item_sizes(msgs: tuple[Message, ...], held: tuple[Message, ...], sizes: array[int]) -> array[int]:
+    """Each message's size, taken from ``sizes`` (of ``held``) for the run of ``msgs`` that a run of
+    ``held`` starts (a turn keeps all of the history, the exact replies but their oldest) and measured
+    for the rest. Matched by equality (identity first, in C): equal messages have equal sizes."""
+    if msgs is held:
+        return sizes
+    d = -1
+    if msgs and held:
+        try:
+            d = held.index(msgs[0])
+        except ValueError:
+            pass
+    run = common_prefix(held[d:], msgs) if d >= 0 else 0
+    out = sizes[d:d + run] if run else array("q")
+    out.extend(_value_bytes(x) for x in msgs[run:])
+    return out
 
 
 def _messages_bytes(msgs: tuple[Message, ...]) -> int:
