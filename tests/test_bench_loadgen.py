@@ -93,4 +93,15 @@ def test_tiny_bench_against_kvgate(aiperf: None, tmp_path: Path) -> None:
         mean, p99 = (float(x) for x in row[3].split(" / "))
         assert 0 < mean <= p99, row
     assert float(mt_gw[4]) > 0
+
+    # Three times the rate: whatever the machine's load, a refusal is a 503/429 with Retry-After and kvgate
+    # ejects no healthy worker for its own late loop (the added p99 is the benchmark's to judge, not a test's).
+    over = text.partition("Overload: ")[2]
+    data = [ln for ln in over.splitlines() if ln.startswith("| ") and not ln.startswith("| requests ok")]
+    row = [c.strip() for c in data[0].strip("|").split("|")]
+    ok, refused = (int(x) for x in row[0].split(" / "))
+    assert ok + refused >= 30, row
+    for verdict in ("every refusal a 429/503: met", "every refusal met by the probe carries Retry-After: met",
+                    "no worker ejected: met"):
+        assert f"- {verdict}" in over, over
     assert (engines_dir() / "venv-aiperf" / "bin" / "aiperf").exists()

@@ -35,7 +35,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,6 +68,8 @@ class Record:
     cached_tokens: int
     start_ns: int
     end_ns: int
+    error_code: int | None = None
+    """The HTTP status AIPerf recorded for a failed request (None: succeeded, or failed without one)."""
 
 
 @dataclass(frozen=True)
@@ -157,11 +159,13 @@ def read_records(path: Path) -> list[Record]:
             return float(v["value"]) if isinstance(v, dict) and v.get("value") is not None else math.nan
 
         ttft = val("time_to_first_token")
-        ok = d.get("error") is None and not math.isnan(ttft)
+        err = d.get("error")
+        ok = err is None and not math.isnan(ttft)
+        code = err.get("code") if isinstance(err, dict) else None
         cached, prompt = val("usage_prompt_cache_read_tokens"), val("usage_prompt_tokens")
         out.append(Record(ok, ttft, val("inter_token_latency"), 0 if math.isnan(prompt) else int(prompt),
                           0 if math.isnan(cached) else int(cached), int(meta.get("request_start_ns") or 0),
-                          int(meta.get("request_end_ns") or 0)))
+                          int(meta.get("request_end_ns") or 0), code if isinstance(code, int) else None))
     return out
 
 
@@ -223,11 +227,21 @@ def _warm(url: str, n: int = 3) -> None:
     its lazy start-up work) are not counted in the first rate's tail."""
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 4,
                        "sim": {"reasoning_tokens": 0, "answer_tokens": 4}}).encode()
+    deadline = time.monotonic() + 60
     for i in range(n):
         req = urllib.request.Request(url + "/v1/chat/completions", body, {"content-type": "application/json",
                                                                          SESSION_HEADER: f"warm-{i}"})
-        with urllib.request.urlopen(req, timeout=30) as r:
-            r.read()
+        while True:
+            try:
+                with urllib.request.urlopen(req, timeout=30) as r:
+                    r.read()
+                break
+            except urllib.error.HTTPError as e:
+                # A router that sheds load (kvgate's overload_shed_lag_ms) may refuse while its start-up
+                # work still has the loop late: wait as told, as a client would.
+                if e.code not in (429, 503) or time.monotonic() > deadline:
+                    raise
+                time.sleep(min(5.0, float(e.headers.get("retry-after") or 1)))
 
 
 def _sim_env(model: Path) -> dict[str, str]:
@@ -235,7 +249,9 @@ def _sim_env(model: Path) -> dict[str, str]:
             "KVGATE_UPSTREAM_CLIENT": "aiohttp"}
 
 
-def start_stack(name: str, n_workers: int, out: Path, model: Path, tag: str) -> Stack:
+def start_stack(name: str, n_workers: int, out: Path, model: Path, tag: str, extra: Sequence[str] = ()
+                ) -> Stack:
+    """``extra``: more of the router's command-line options."""
     # Four times an H100's speed, as in the paired bench: the engines must not be what limits the rate.
     sim = [sys.executable, "-m", "kvgate.cli", "--log-level", "WARNING", "sim", "--model-dir", str(model),
            "--profile", "h100-llama3-8b", "--block-size", "16", "--speed", "4"]
@@ -252,6 +268,7 @@ def start_stack(name: str, n_workers: int, out: Path, model: Path, tag: str) -> 
             return stack
         port = free_port()
         cmd, ready = _router_cmd(name.removesuffix(" (serve --workers 2)"), port, workers)
+        cmd += extra
         cores = "0"
         if name == KVGATE_2:
             # Its processes share conversations through Redis (they refuse the memory store), and get both
@@ -282,11 +299,12 @@ def stop(stack: Stack) -> None:
 
 
 @contextlib.contextmanager
-def stacks(names: Sequence[str], n_workers: int, out: Path, model: Path, tag: str) -> Iterator[list[Stack]]:
+def stacks(names: Sequence[str], n_workers: int, out: Path, model: Path, tag: str,
+           extra: Mapping[str, Sequence[str]] | None = None) -> Iterator[list[Stack]]:
     up: list[Stack] = []
     try:
         for n in names:
-            up.append(start_stack(n, n_workers, out, model, tag))
+            up.append(start_stack(n, n_workers, out, model, tag, (extra or {}).get(n, ())))
             print(f"  {tag}: {n} up at {up[-1].urls[0]}", file=sys.stderr)
         yield up
     finally:
@@ -444,7 +462,8 @@ def plot(results: dict[str, dict[float, Run]], path: Path) -> None:
     plt.close(fig)
 
 
-def report(rates: dict[str, dict[float, Run]], mt: dict[str, Run] | None, seconds: float, load: str) -> str:
+def report(rates: dict[str, dict[float, Run]], mt: dict[str, Run] | None, seconds: float, load: str,
+           overloaded: str | None = None) -> str:
     cores = "core 0" if shutil.which("taskset") else "any core (no taskset)"
     text = (f"## Measured with {AIPERF_SPEC}\n\nEach router pinned to {cores}; its worker and AIPerf on core 1. Same "
             f"multi-turn dataset file, seed and Poisson rate for every target, {seconds:g} s per rate; added = the "
@@ -453,6 +472,8 @@ def report(rates: dict[str, dict[float, Run]], mt: dict[str, Run] | None, second
             + sustained_table(rates))
     if mt is not None:
         text += "\nMulti-turn slice, four workers behind each router:\n\n" + multiturn_table(mt)
+    if overloaded is not None:
+        text += "\n" + overloaded
     return text
 
 
@@ -464,10 +485,13 @@ def _uptime() -> str:
 
 
 def run(out: Path = Path("bench-out"), quick: bool = False, routers: Sequence[str] | None = None,
-        rates: Sequence[float] | None = None, seconds: float | None = None, multiturn_slice: bool = True) -> str:
-    """The sweep, the sustained-rate table and the multi-turn slice; writes ``overhead-aiperf.md``, its
-    section of ``overhead.md`` and ``overhead-aiperf.png``."""
+        rates: Sequence[float] | None = None, seconds: float | None = None, multiturn_slice: bool = True,
+        overload: bool = True) -> str:
+    """The sweep, the sustained-rate table, the multi-turn slice and kvgate at 3x its sustained rate
+    (``bench.overload``); writes ``overhead-aiperf.md``, its section of ``overhead.md`` and
+    ``overhead-aiperf.png``."""
     from kvgate.bench.overhead import write_section
+    from kvgate.bench.overload import measure_overload, overload_table
 
     rep = ensure_loadgen("aiperf")
     print(f"aiperf: {'reused' if rep.reused else f'installed in {rep.seconds:.0f}s'} ({rep.venv})", file=sys.stderr)
@@ -479,7 +503,12 @@ def run(out: Path = Path("bench-out"), quick: bool = False, routers: Sequence[st
     seconds = seconds or (6.0 if quick else 12.0)
     res = sweep([DIRECT, *names], rates, seconds, out)
     mt = multiturn([DIRECT, *names], 20.0, seconds * 1.5, out) if multiturn_slice else None
-    text = report(res, mt, seconds, _uptime())
+    over = None
+    if overload and "kvgate" in res:
+        # What kvgate sustained here, or the lowest rate run when it sustained none of them.
+        held = sustained(res).get("kvgate")
+        over = overload_table(measure_overload(held or min(rates), held is not None, seconds, out))
+    text = report(res, mt, seconds, _uptime(), over)
     plot(res, out / "overhead-aiperf.png")
     (out / "overhead-aiperf.md").write_text(text)
     write_section(out / "overhead.md", "aiperf", text)
