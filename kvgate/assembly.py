@@ -237,7 +237,7 @@ class Gateway:
         self.upstream = make_upstream(settings.upstream_client, self.client, settings.upstream_connect_timeout_s,
                                       settings.upstream_read_timeout_s, settings.upstream_keepalive_s)
         # The endpoint picker (kvgate/epp) relays and records responses Envoy forwards with the same objects.
-        self.relay = Relay(self.pool, self.clock, m, recorder, self.policy.name, self.requests)
+        self.relay = Relay(self.pool, self.clock, m, recorder, self.policy.name, self.requests, router)
         sender = Sender(settings, router, self.upstream, self.clock, m, self.relay)
         if self.admission is not None:
             m.registry.register(AdmissionCollector(self.admission))

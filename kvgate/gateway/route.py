@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from kvgate.clock import Clock
 from kvgate.gateway.exchange import Prepared
+from kvgate.gateway.lifecycle import ExchangeLifecycle, Trust
 from kvgate.gateway.prefix import PrefixKnowledge
 from kvgate.gateway.prompts import Held
 from kvgate.gateway.telemetry import GatewayMetrics
@@ -110,6 +111,12 @@ class Router:
     def accepted(self, p: Prepared, worker: WorkerId) -> None:
         """The worker accepted the request: kvgate's view of its cache now includes this prompt."""
         self.prefix.routed(p.model, worker, p.prompt, self.clock.now())
+
+    @staticmethod
+    def lifecycle(p: Prepared, plan: Plan, trust: Trust = "own") -> ExchangeLifecycle:
+        """The exchange of ``p`` with the workers ``plan`` prices, for a front to drive."""
+        return ExchangeLifecycle(p, plan.block_size, {w: plan.matched_tokens(w) for w in plan.matched},
+                                 plan.best_matched_tokens, trust)
 
     def node(self, worker: WorkerId) -> str:
         return self.pool.get(worker).config.node or worker
