@@ -21,6 +21,7 @@ from kvgate.gateway.lifecycle import (
     Probe,
     Record,
     Relayed,
+    Relaying,
     Release,
     RetryElsewhere,
     Trust,
@@ -188,3 +189,7 @@ def test_a_unary_body_is_read_whole() -> None:
     assert lc.body(body, 11.0) == body
     ex = lc.current
     assert ex.response_id == "r2" and ex.usage is not None and ex.reply.content == "ok"
+
+
+def test_the_answer_starting_to_come_back_is_a_hook() -> None:
+    assert started().relaying(11.0) == [Relaying()]

@@ -313,8 +313,8 @@ class EppStream:
             self._served(proto.served_of(req))
             extra = self.gw.relay.headers(self.ex) if self.ex is not None else {}
             self._status_seen()
-            if self.sse and 200 <= self.status < 300:
-                ex.prepared.trace.mark("relay")  # as the proxy's relay marks its stream's start
+            if self.sse and 200 <= self.status < 300 and self.lc is not None:  # as the proxy's stream starts
+                self.gw.relay.execute(ex, self.lc.relaying(self.gw.clock.now()))
         out = [ep.ProcessingResponse(response_headers=ep.HeadersResponse(response=ep.CommonResponse(
             header_mutation=ep.HeaderMutation(set_headers=proto.set_headers(extra)))))]
         if req.response_headers.end_of_stream:

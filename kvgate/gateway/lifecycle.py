@@ -116,6 +116,11 @@ class Probe:
 
 
 @dataclass(frozen=True, slots=True)
+class Relaying:
+    """The accepted answer starts coming back (hook ``relaying``)."""
+
+
+@dataclass(frozen=True, slots=True)
 class Relayed:
     """The worker is done with the answer (hook ``relayed``): streamed, or read whole."""
 
@@ -136,8 +141,8 @@ class Ended:
     ending: Ending
 
 
-Cmd = Acquire | InFlight | Learned | FirstToken | Release | CountFailure | MarkFailed | Probe | Relayed | Record \
-    | Ended
+Cmd = Acquire | InFlight | Learned | FirstToken | Release | CountFailure | MarkFailed | Probe | Relaying | Relayed \
+    | Record | Ended
 
 
 # -- verdicts on the worker's answer ------------------------------------------------------------------------
@@ -206,6 +211,9 @@ class ExchangeObserver(Protocol):
     def attempted(self, ex: Exchange, outcome: object) -> None:
         """An attempt returned (the proxy): a response, or why its worker failed (a string)."""
 
+    def relaying(self, ex: Exchange) -> None:
+        """The accepted answer starts coming back (a stream's first bytes, a body read whole)."""
+
     def first_token(self, ex: Exchange, at: float) -> None:
         """The first output reached kvgate at ``at`` (``ex.ttft_s`` is set)."""
 
@@ -220,6 +228,9 @@ class Observer:
     """An ``ExchangeObserver`` that ignores every hook: subclasses override the ones they need."""
 
     def attempted(self, ex: Exchange, outcome: object) -> None:
+        pass
+
+    def relaying(self, ex: Exchange) -> None:
         pass
 
     def first_token(self, ex: Exchange, at: float) -> None:
@@ -333,6 +344,11 @@ class ExchangeLifecycle:
         ex.decision = Decision(worker, "fallback", 0, tier="none")
         ex.node, ex.chosen_matched_tokens = node, 0
         return [*out, Acquire(worker, ex.prefill_tokens), InFlight(worker)]
+
+    def relaying(self, now: float) -> list[Cmd]:
+        """The accepted answer starts coming back: a stream's first bytes, or a body read whole."""
+        assert self.ex is not None, "no attempt dispatched"
+        return [Relaying()]
 
     def event(self, ev: SseEvent, now: float) -> tuple[bytes | None, FirstToken | None]:
         """One SSE event read on the way (TTFT, usage, the reply): the bytes to pass on (None: drop it,

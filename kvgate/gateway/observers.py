@@ -36,6 +36,9 @@ class TraceObserver(Observer):
     def attempted(self, ex: Exchange, outcome: object) -> None:
         ex.prepared.trace.attempted(ex, outcome)
 
+    def relaying(self, ex: Exchange) -> None:
+        ex.prepared.trace.mark("relay")
+
     def first_token(self, ex: Exchange, at: float) -> None:
         ex.prepared.trace.first_token(ex)
 

@@ -28,6 +28,7 @@ from kvgate.gateway.lifecycle import (
     Probe,
     Record,
     Relayed,
+    Relaying,
     Release,
 )
 from kvgate.gateway.observers import MetricsObserver, RequestLogObserver, TraceObserver
@@ -120,6 +121,9 @@ class Relay:
             case Probe():
                 if probe is not None:
                     probe(c.worker)
+            case Relaying():
+                for o in self.observers:
+                    o.relaying(ex)
             case Relayed():
                 for o in self.observers:
                     o.relayed(ex, c.outcome, c.streamed)
@@ -142,7 +146,7 @@ class Relay:
         recorded; returns the body the client gets (without the token ids kvgate asked for).
         ``counted=False``: the front counts the request and finishes its trace (the proxy)."""
         ex = lc.current
-        ex.prepared.trace.mark("relay")
+        self.execute(ex, lc.relaying(self.clock.now()))
         content = lc.body(content, self.clock.now())
         await self.run(ex, lc.ended("done", http_status, self.clock.now(), streamed=False, counted=counted))
         return content
@@ -150,7 +154,7 @@ class Relay:
     async def stream(self, lc: ExchangeLifecycle, upstream: UpstreamResponse, first: bytes, it: AsyncIterator[bytes]
                      ) -> AsyncIterator[bytes]:
         ex = lc.current
-        ex.prepared.trace.mark("relay")
+        self.execute(ex, lc.relaying(self.clock.now()))
         splitter = SseSplitter()
         outcome: Outcome = "cancelled"  # until the stream ends or breaks: the client went away
         try:
