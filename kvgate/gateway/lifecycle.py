@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import orjson
 
@@ -29,6 +29,9 @@ from kvgate.gateway.exchange import Exchange, Prepared, Usage
 from kvgate.gateway.sse import SseEvent
 from kvgate.gateway.telemetry import STATUS_CLIENT_CLOSED, STATUS_STREAM_BROKEN
 from kvgate.router.types import Decision, WorkerId
+
+if TYPE_CHECKING:
+    from kvgate.gateway.route import Plan
 
 Outcome = Literal["done", "unread", "cancelled", "failed"]
 """``done``: the answer was read whole; ``unread``: it ended without kvgate reading it (an error status,
@@ -205,8 +208,11 @@ def ending(outcome: Outcome, http_status: int, started: float, now: float, count
 
 # -- observers ---------------------------------------------------------------------------------------------
 class ExchangeObserver(Protocol):
-    """Told of an exchange at its hooks, by the executor of the lifecycle's commands, for every front.
-    Must not block (it runs on the request path)."""
+    """Told of an exchange at its hooks, by the executor of the lifecycle's commands (and of the routing
+    decisions by ``Router.pick``), for every front. Must not block (it runs on the request path)."""
+
+    def routed(self, p: Prepared, plan: Plan, decision: Decision | None, policy: str) -> None:
+        """A routing decision for a real request (one per attempt; None: no eligible worker)."""
 
     def attempted(self, ex: Exchange, outcome: object) -> None:
         """An attempt returned (the proxy): a response, or why its worker failed (a string)."""
@@ -226,6 +232,9 @@ class ExchangeObserver(Protocol):
 
 class Observer:
     """An ``ExchangeObserver`` that ignores every hook: subclasses override the ones they need."""
+
+    def routed(self, p: Prepared, plan: Plan, decision: Decision | None, policy: str) -> None:
+        pass
 
     def attempted(self, ex: Exchange, outcome: object) -> None:
         pass

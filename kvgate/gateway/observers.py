@@ -4,17 +4,29 @@ lifecycle's commands name, so the proxy and the endpoint picker get them alike, 
 
 from __future__ import annotations
 
-from kvgate.gateway.exchange import Exchange
+from typing import TYPE_CHECKING
+
+from kvgate.gateway.exchange import Exchange, Prepared
 from kvgate.gateway.lifecycle import Ending, Observer, Outcome
 from kvgate.gateway.requestlog import RequestLog
 from kvgate.gateway.telemetry import GatewayMetrics
+from kvgate.router.types import Decision
+
+if TYPE_CHECKING:
+    from kvgate.gateway.route import Plan
 
 
 class MetricsObserver(Observer):
-    """TTFT and output timing from the first token; the request counted (and a client that left) at the end."""
+    """The decisions by policy and reason; TTFT and output timing from the first token; the request counted
+    (and a client that left) at the end."""
 
     def __init__(self, metrics: GatewayMetrics) -> None:
         self.metrics = metrics
+
+    def routed(self, p: Prepared, plan: Plan, decision: Decision | None, policy: str) -> None:
+        if decision is not None:
+            self.metrics.route_decisions.labels(policy, decision.reason, decision.tier,
+                                                str(decision.bounded).lower()).inc()
 
     def first_token(self, ex: Exchange, at: float) -> None:
         p = ex.prepared
@@ -32,6 +44,9 @@ class MetricsObserver(Observer):
 
 class TraceObserver(Observer):
     """The request's spans (``Prepared.trace``: ``OFF`` when not traced)."""
+
+    def routed(self, p: Prepared, plan: Plan, decision: Decision | None, policy: str) -> None:
+        p.trace.routed(p, plan, decision, policy)
 
     def attempted(self, ex: Exchange, outcome: object) -> None:
         ex.prepared.trace.attempted(ex, outcome)
