@@ -44,6 +44,7 @@ from kvgate.gateway.inputlimits import PromptLimits, learn_context
 from kvgate.gateway.kvevents import KvEventSubscriber, SubscriberCollector
 from kvgate.gateway.looplag import LoopLag
 from kvgate.gateway.membership import Membership
+from kvgate.gateway.observers import MetricsObserver, RequestLogObserver, TraceObserver
 from kvgate.gateway.policyedit import GatewayPolicy, PolicyLog
 from kvgate.gateway.policysync import PolicySync
 from kvgate.gateway.prefix import PrefixKnowledge
@@ -233,11 +234,14 @@ class Gateway:
         self.recorder = recorder = Recorder(self.runtime, self.turns, self.tiers, m, self.policy.name, self.grouping)
         self.requests = RequestLog(settings.request_log, settings.request_log_max_bytes, settings.request_log_backups,
                                    bytes.fromhex(settings.request_log_key) if settings.request_log_key else None)
-        self.router = router = Router(self.pool, self.policy, self.prefix, self.tiers, self.clock, m)
+        # What is observed of every exchange, for every front (gateway/observers.py).
+        observers = [MetricsObserver(m), TraceObserver(), RequestLogObserver(self.requests)]
+        self.router = router = Router(self.pool, self.policy, self.prefix, self.tiers, self.clock, m, observers)
         self.upstream = make_upstream(settings.upstream_client, self.client, settings.upstream_connect_timeout_s,
                                       settings.upstream_read_timeout_s, settings.upstream_keepalive_s)
         # The endpoint picker (kvgate/epp) relays and records responses Envoy forwards with the same objects.
-        self.relay = Relay(self.pool, self.clock, m, recorder, self.policy.name, self.requests)
+        self.relay = Relay(self.pool, self.clock, m, recorder, self.policy.name, self.requests, router,
+                           observers)
         sender = Sender(settings, router, self.upstream, self.clock, m, self.relay)
         if self.admission is not None:
             m.registry.register(AdmissionCollector(self.admission))

@@ -38,8 +38,9 @@ from kvgate.errors import ApiError, BadRequest, PayloadTooLarge, ServiceUnavaila
 from kvgate.gateway.auth import Principal, require
 from kvgate.gateway.exchange import PATHS as ENDPOINT_PATHS
 from kvgate.gateway.exchange import Endpoint, Exchange, Prepared
+from kvgate.gateway.lifecycle import ExchangeLifecycle, Outcome
 from kvgate.gateway.prepare import parse_object
-from kvgate.gateway.sse import SseSplitter
+from kvgate.gateway.sse import SseEvent, SseSplitter
 from kvgate.grpc.gen.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from kvgate.router.types import Decision, WorkerId
 
@@ -82,7 +83,9 @@ class EppStream:
         self.body_eos = False
         self.headers_answered = False
         self.subset: list[str] | None = None
-        self.ex: Exchange | None = None
+        self.lc: ExchangeLifecycle | None = None
+        """The exchange with the picked worker (gateway/lifecycle.py): this stream drives it, the relay
+        executes its commands, as the proxy's sender does."""
         self.kind: Endpoint | None = None
         self.status = 0
         self.sse = False
@@ -97,6 +100,10 @@ class EppStream:
         self.trace_headers: dict[str, str] = {}
         """The worker call's trace context (``traceparent``), set on the request Envoy forwards."""
         """Set once prepared: its admission ticket is released when the stream ends."""
+
+    @property
+    def ex(self) -> Exchange | None:
+        return self.lc.ex if self.lc is not None else None
 
     # -- the stream ------------------------------------------------------------------------------
     async def handle(self, req: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
@@ -138,7 +145,7 @@ class EppStream:
         if ex is None or self.finished:
             return
         self.finished = True
-        self.gw.relay.end_unrecorded(ex, "cancelled", self.status)
+        self._end("cancelled")
 
     # -- request -------------------------------------------------------------------------------
     async def _request_headers(self, req: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
@@ -237,10 +244,9 @@ class EppStream:
                                      + (" among the endpoints Envoy allowed." if self.subset is not None else "."),
                                      code="no_healthy_worker", headers={"retry-after": str(gw.settings.retry_after_s)})
         w = d.worker
-        self.ex = Exchange(p, d, gw.clock.now(), router.node(w), plan.block_size, plan.matched_tokens(w),
-                           plan.best_matched_tokens)
-        gw.pool.acquire(w, self.ex.prefill_tokens)
-        router.dispatched(p, w)
+        self.lc = lc = router.lifecycle(p, plan, trust="claim")  # the status is Envoy's claim (epp/trust.py)
+        cmds = lc.dispatched(d, router.node(w), gw.clock.now())
+        gw.relay.execute(lc.current, cmds)
         return ",".join([endpoint_of(gw.pool.get(w).config), *self._fallbacks(d, fleet.healthy(), barred)])
 
     def _fallbacks(self, d: Decision, healthy: Any, barred: set[WorkerId]) -> list[str]:
@@ -307,8 +313,8 @@ class EppStream:
             self._served(proto.served_of(req))
             extra = self.gw.relay.headers(self.ex) if self.ex is not None else {}
             self._status_seen()
-            if self.sse and 200 <= self.status < 300:
-                ex.prepared.trace.mark("relay")  # as the proxy's relay marks its stream's start
+            if self.sse and 200 <= self.status < 300 and self.lc is not None:  # as the proxy's stream starts
+                self.gw.relay.execute(ex, self.lc.relaying(self.gw.clock.now()))
         out = [ep.ProcessingResponse(response_headers=ep.HeadersResponse(response=ep.CommonResponse(
             header_mutation=ep.HeaderMutation(set_headers=proto.set_headers(extra)))))]
         if req.response_headers.end_of_stream:
@@ -322,29 +328,22 @@ class EppStream:
         if ex is None or served is None or served == endpoint_of(self.gw.pool.get(ex.decision.worker).config):
             return
         w = next((w for w in self.gw.pool.all() if endpoint_of(w.config) == served), None)
-        if w is None:
+        if w is None or self.lc is None:
             return
-        self.gw.pool.release(ex.decision.worker, ex.prefill_tokens)
-        plan_tokens = ex.best_matched_tokens
-        ex.decision = Decision(w.id, "fallback", 0, tier="none")
-        ex.node, ex.chosen_matched_tokens, ex.best_matched_tokens = self.gw.router.node(w.id), 0, plan_tokens
-        self.gw.pool.acquire(w.id, ex.prefill_tokens)
-        self.gw.router.dispatched(ex.prepared, w.id)
+        self.gw.relay.execute(ex, self.lc.moved(w.id, self.gw.router.node(w.id), self.gw.clock.now()))
 
     def _status_seen(self) -> None:
         """The status is the stream's claim: it settles this request (recorded or not), never the worker's
         health for everyone. kvgate_upstream_failures counts what kvgate's own connections saw, so the
         claim is counted apart; a claimed 502/503/504 asks for an early active check (kvgate/epp/probe.py)."""
-        ex = self.ex
-        assert ex is not None
+        ex, lc = self.ex, self.lc
+        assert ex is not None and lc is not None
         w = ex.decision.worker
         if self.epp_metrics is not None:
             cls = f"{self.status // 100}xx" if 100 <= self.status < 600 else "other"
             self.epp_metrics.reported.labels(w, cls).inc()
-        if 200 <= self.status < 400:
-            self.gw.router.accepted(ex.prepared, w)
-        elif self.status in (502, 503, 504) and self.probe is not None:
-            self.probe.request(w)
+        verdict = lc.answered(self.status, self.gw.clock.now())  # the proxy's table, trust="claim"
+        self.gw.relay.execute(ex, verdict.commands, self.probe.request if self.probe is not None else None)
 
     async def _response_body(self, b: ep.HttpBody) -> list[ep.ProcessingResponse]:
         eos = b.end_of_stream
@@ -370,9 +369,14 @@ class EppStream:
             return self._body_out(data, eos, changed=False)
         return await self._finish_json() if eos else []
 
-    def _events(self, events: Any) -> bytes:
-        assert self.ex is not None
-        return b"".join(out for ev in events if (out := self.gw.relay.event(self.ex, ev)) is not None)
+    def _events(self, events: list[SseEvent]) -> bytes:
+        assert self.lc is not None
+        return self.gw.relay.events(self.lc, events)
+
+    def _end(self, outcome: Outcome) -> None:
+        """The exchange ends with no turn to record (the client left, an answer not read)."""
+        assert self.lc is not None
+        self.gw.relay.execute(self.lc.current, self.lc.ended(outcome, self.status, self.gw.clock.now()))
 
     async def _finish_sse(self, final: bool) -> list[ep.ProcessingResponse]:
         """The end of an SSE response: the last events, the turn recorded, then the last chunk."""
@@ -381,21 +385,18 @@ class EppStream:
             return []
         self.held += self._events(self.splitter.flush())
         self.finished = True
-        await self.gw.relay.end(ex, "done", self.status)  # the same end as the proxy's (gateway/lifecycle.py)
+        assert self.lc is not None  # the same end as the proxy's (gateway/lifecycle.py)
+        await self.gw.relay.run(ex, self.lc.ended("done", self.status, self.gw.clock.now()))
         data, self.held = bytes(self.held), bytearray()
         return self._body_out(data, final, changed=True)
 
     async def _finish_json(self) -> list[ep.ProcessingResponse]:
-        ex = self.ex
-        assert ex is not None
+        assert self.lc is not None
         self.finished = True
-        # As in proxy mode: the worker is done with it; release first (with its service time) so what the
-        # turn's end decides (a background prefill) sees the queue without this request.
-        self.gw.pool.release(ex.decision.worker, ex.prefill_tokens, held_s=self.gw.clock.now() - ex.started)
-        data = await self.gw.relay.unary(ex, bytes(self.held))
+        # As in proxy mode: the exchange ends (its slot first, with its service time), the turn recorded,
+        # the request counted and its trace finished.
+        data = await self.gw.relay.unary(self.lc, bytes(self.held), self.status)
         self.held = bytearray()
-        self.m.count_request(ex.prepared.endpoint, self.status)
-        ex.prepared.trace.finish(self.status)
         return self._body_out(data, True, changed=True)
 
     def _release_unrecorded(self) -> None:
@@ -404,7 +405,7 @@ class EppStream:
         if ex is None or self.finished:
             return
         self.finished = True
-        self.gw.relay.end_unrecorded(ex, "unread", self.status)
+        self._end("unread")
 
     def _body_out(self, data: bytes, end_of_stream: bool, changed: bool) -> list[ep.ProcessingResponse]:
         if self.resp_mode == proto.BUFFERED:

@@ -4,11 +4,13 @@ prompt's prefix still runs on)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvgate.clock import Clock
 from kvgate.gateway.exchange import Prepared
+from kvgate.gateway.lifecycle import ExchangeLifecycle, ExchangeObserver, Trust
+from kvgate.gateway.observers import MetricsObserver, TraceObserver
 from kvgate.gateway.prefix import PrefixKnowledge
 from kvgate.gateway.prompts import Held
 from kvgate.gateway.telemetry import GatewayMetrics
@@ -43,7 +45,7 @@ class Plan:
 
 class Router:
     def __init__(self, pool: WorkerPool, policy: Policy, prefix: PrefixKnowledge, tiers: TierView, clock: Clock,
-                 metrics: GatewayMetrics) -> None:
+                 metrics: GatewayMetrics, observers: Sequence[ExchangeObserver] | None = None) -> None:
         self.pool = pool
         self.policy = policy
         self.prefix = prefix
@@ -51,6 +53,9 @@ class Router:
         self.clock = clock
         self.metrics = metrics
         self.listeners: list[DecisionListener] = []
+        self.observers: list[ExchangeObserver] = list(observers) if observers is not None else [
+            MetricsObserver(metrics), TraceObserver()]
+        """Told of every decision for a real request (the decision's metric, the ``route`` span)."""
 
     async def plan(self, p: Prepared) -> Plan:
         p.trace.routing(p)
@@ -86,13 +91,12 @@ class Router:
                                                                                     limit), tier="gpu")
         else:
             decision = self.policy.pick(self.route_request(p, plan, tried), fleet)
+        if observe:
+            for o in self.observers:
+                o.routed(p, plan, decision, self.policy.name)
         if decision is not None and observe:
-            self.metrics.route_decisions.labels(self.policy.name, decision.reason, decision.tier,
-                                                str(decision.bounded).lower()).inc()
             for listener in self.listeners:
                 listener(p, decision, front, attempt if attempt is not None else len(tried) + 1)
-        if observe:
-            p.trace.routed(p, plan, decision, self.policy.name)
         return decision
 
     @staticmethod
@@ -110,6 +114,12 @@ class Router:
     def accepted(self, p: Prepared, worker: WorkerId) -> None:
         """The worker accepted the request: kvgate's view of its cache now includes this prompt."""
         self.prefix.routed(p.model, worker, p.prompt, self.clock.now())
+
+    @staticmethod
+    def lifecycle(p: Prepared, plan: Plan, trust: Trust = "own") -> ExchangeLifecycle:
+        """The exchange of ``p`` with the workers ``plan`` prices, for a front to drive."""
+        return ExchangeLifecycle(p, plan.block_size, {w: plan.matched_tokens(w) for w in plan.matched},
+                                 plan.best_matched_tokens, trust)
 
     def node(self, worker: WorkerId) -> str:
         return self.pool.get(worker).config.node or worker

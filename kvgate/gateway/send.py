@@ -1,6 +1,8 @@
 """Sending a prepared request: pick a worker, send, and retry where that is safe.
 
-Only a request the worker never had goes to another worker (up to ``max_attempts`` workers): a refused
+The attempt loop drives the exchange's lifecycle (gateway/lifecycle.py: the status table, the slot, the
+end) and executes its commands through the relay; this module does the I/O. Only a request the worker
+never had goes to another worker (up to ``max_attempts`` workers): a refused
 or timed-out connection, a failed write, or a 502/503/504 answer. A 502/503/504 is retried on one other
 worker at most: it may come from a proxy in front of an engine the request itself killed, and a second
 one says the request, not the worker, is the likelier cause. A worker that had the request and
@@ -28,6 +30,7 @@ from kvgate.clock import Clock
 from kvgate.config import GatewaySettings
 from kvgate.errors import BadGateway, BadRequest, ServiceUnavailable, error_body
 from kvgate.gateway.exchange import PATHS, ClientGone, Exchange, Prepared
+from kvgate.gateway.lifecycle import ExchangeLifecycle, Failed, RetryElsewhere
 from kvgate.gateway.relay import Relay
 from kvgate.gateway.route import Router
 from kvgate.gateway.telemetry import GatewayMetrics
@@ -51,49 +54,48 @@ class Sender:
 
     async def send(self, request: Request, p: Prepared) -> Response:
         plan = await self.router.plan(p)
-        tried: set[WorkerId] = set()
+        lc = self.router.lifecycle(p, plan, trust="own")
         last_error = ""
-        answered = 0  # workers that answered 502/503/504
         for attempt in range(self.settings.max_attempts):
-            if answered >= 2:
+            if lc.exhausted:
                 break
-            decision = self.router.pick(p, plan, tried)
+            decision = self.router.pick(p, plan, lc.tried)
             if decision is None:
                 break
             if attempt > 0:
                 self.metrics.retries.inc()
-            w = decision.worker
-            tried.add(w)
-            ex = Exchange(p, decision, self.clock.now(), self.router.node(w), plan.block_size,
-                          plan.matched_tokens(w), plan.best_matched_tokens)
-            outcome = await self._attempt(request, ex)
-            p.trace.attempted(ex, outcome)
+            cmds = lc.dispatched(decision, self.router.node(decision.worker), self.clock.now())
+            ex = lc.current
+            self.relay.execute(ex, cmds)
+            outcome = await self._attempt(request, lc, ex)
+            self.relay.attempted(ex, outcome)
             if isinstance(outcome, Response):
                 return outcome
-            last_error, status = outcome
-            answered += status is not None
+            last_error = outcome
         retry = {"Retry-After": str(self.settings.retry_after_s)}
-        if not tried:
+        if not lc.tried:
             raise ServiceUnavailable(f"No healthy worker for model `{p.model}`.", code="no_healthy_worker",
                                      headers=retry)
-        raise ServiceUnavailable(f"All {len(tried)} attempted workers failed; last: {last_error}",
+        raise ServiceUnavailable(f"All {len(lc.tried)} attempted workers failed; last: {last_error}",
                                  code="upstream_failed", headers=retry)
 
-    async def _attempt(self, request: Request, ex: Exchange) -> Response | tuple[str, int | None]:
-        """The response, or why this worker failed (the request may go to another) and the status it answered
-        (None: it never had the request)."""
+    async def _attempt(self, request: Request, lc: ExchangeLifecycle, ex: Exchange) -> Response | str:
+        """The response, or why this worker failed (the request may go to another)."""
         p, w = ex.prepared, ex.decision.worker
-        self.pool.acquire(w, ex.prefill_tokens)
-        self.router.dispatched(p, w)
-        handed_off = False  # once the relay or the record owns the worker slot, it releases it
+        handed_off = False  # once the relay or the record owns the exchange, its end gives the slot back
         try:
             worker = self.pool.get(w).config
             upstream = await until_disconnect(request, self.upstream.post(
                 worker.url + PATHS[p.endpoint], p.payload,
                 p.trace.upstream(ex, worker, {**p.headers, "content-type": "application/json"})), _close)
-            if upstream.status >= 400:
-                return await self._refused(ex, upstream)
-            self.router.accepted(p, w)
+            status = upstream.status
+            detail = await _error_text(upstream) if status >= 500 else ""
+            verdict = lc.answered(status, self.clock.now(), detail)
+            self.relay.execute(ex, verdict.commands)
+            if isinstance(verdict, RetryElsewhere):
+                return verdict.reason
+            if isinstance(verdict, Failed):
+                return await self._refused(ex, upstream, verdict, detail)
             if p.finish_prompt is not None and p.prompt_task is None:
                 p.prompt_task = asyncio.ensure_future(self._finish_prompt(p, w))
             if p.stream:
@@ -107,36 +109,36 @@ class Sender:
                     raise
                 except Lost as exc:
                     await upstream.close()
-                    self._failed(w, str(exc), "stream_before_first_byte")
+                    self.relay.execute(ex, lc.lost(str(exc), "stream_before_first_byte", self.clock.now()).commands)
                     raise _lost(w, exc) from exc
                 handed_off = True
-                return StreamingResponse(self.relay.stream(ex, upstream, first, it), status_code=upstream.status,
+                return StreamingResponse(self.relay.stream(lc, upstream, first, it), status_code=status,
                                          media_type="text/event-stream", headers=self.relay.headers(ex))
             try:
                 content = await until_disconnect(request, upstream.read())
             finally:
                 await upstream.close()
-            # The worker is done with it: release first, so what the turn's end decides (a background
-            # prefill) sees the queue without this request.
+            # The worker is done with it: the exchange ends (the slot first, so what the turn's end decides,
+            # a background prefill, sees the queue without this request); the proxy counts the answer.
             handed_off = True
-            self.pool.release(w, ex.prefill_tokens, held_s=self.clock.now() - ex.started)
-            content = await self.relay.unary(ex, content)
-            return Response(content, status_code=upstream.status,
+            content = await self.relay.unary(lc, content, status, counted=False)
+            return Response(content, status_code=status,
                             media_type=upstream.header("content-type") or "application/json",
                             headers=self.relay.headers(ex))
         except NotSent as exc:  # the worker never had the request: another one may take it
-            self._failed(w, str(exc), exc.kind)
-            return f"worker {w}: {exc}", None
+            retry = lc.unsent(str(exc), exc.kind, self.clock.now())
+            self.relay.execute(ex, retry.commands)
+            return retry.reason
         except Lost as exc:  # the worker had it and was lost: not handed to the next one
-            self._failed(w, str(exc), exc.kind)
+            self.relay.execute(ex, lc.lost(str(exc), exc.kind, self.clock.now()).commands)
             raise _lost(w, exc) from exc
         finally:
-            if not handed_off:
-                self.pool.release(w, ex.prefill_tokens)
+            if not handed_off:  # refused, failed, lost, or the client gone: only the slot goes back
+                self.relay.execute(ex, lc.abandoned(self.clock.now()))
 
-    async def _refused(self, ex: Exchange, upstream: UpstreamResponse) -> Response | tuple[str, int | None]:
+    async def _refused(self, ex: Exchange, upstream: UpstreamResponse, verdict: Failed, detail: str) -> Response:
         w, status = ex.decision.worker, upstream.status
-        if status < 500:
+        if verdict.answer == "worker":
             # The worker judged the request; its answer goes back, in OpenAI's shape.
             try:
                 content = await upstream.read()
@@ -144,17 +146,7 @@ class Sender:
                 await upstream.close()
             content, media = worker_error(content, status, upstream.header("content-type"))
             return Response(content, status_code=status, media_type=media, headers=self.relay.headers(ex))
-        text = await _error_text(upstream)
-        if status in (502, 503, 504):
-            # The worker did not take the request (overloaded, starting, a proxy in front of it failed):
-            # another worker may.
-            self._failed(w, f"HTTP {status}: {text}", "status_5xx")
-            return f"worker {w} answered {status}", status
-        # The worker took the request and failed on it (vLLM answers 500 when its engine dies of it): a
-        # retry would hand the same request to every worker in turn. Not a health failure either: a
-        # repeated bad request would otherwise empty the fleet.
-        self.metrics.upstream_failures.labels(w, "status_500").inc()
-        raise BadRequest(f"Worker {w} failed while processing this request (HTTP {status}: {text}); it was not "
+        raise BadRequest(f"Worker {w} failed while processing this request (HTTP {status}: {detail}); it was not "
                          "retried on another worker.", code="upstream_request_failed")
 
     async def _finish_prompt(self, p: Prepared, w: WorkerId) -> None:
@@ -167,10 +159,6 @@ class Sender:
             log.warning("completing a prompt's tokens failed: %s", exc)
             return
         self.router.accepted(p, w)
-
-    def _failed(self, w: WorkerId, error: str, kind: str) -> None:
-        self.metrics.upstream_failures.labels(w, kind).inc()
-        self.pool.mark_failed(w, error, kind)
 
 
 WORKER_ERROR_BYTES = 64 * 1024
