@@ -119,9 +119,10 @@ async def test_2mb_prompt_does_not_delay_health_and_is_refused_before_tokenizing
     assert r.status_code == 400, r.text[:300]
     err = r.json()["error"]
     assert err["code"] == "context_length_exceeded" and "maximum context length is 4096" in err["message"]
-    # 2.8-3.0 s before the prompt moved off the loop, 27-106 ms after on 2 shared cores: a bound between
-    # the two that a loaded CI machine does not cross.
-    assert worst < 0.5, f"/health took {worst * 1000:.0f} ms while a 2 MB prompt was handled"
+    # 2.8-3.0 s before the prompt moved off the loop, 22-106 ms after on 2 shared cores, 599 ms once with a
+    # 300 req/s benchmark and another test run on the same cores: a bound between the two that a loaded
+    # machine does not cross.
+    assert worst < 1.0, f"/health took {worst * 1000:.0f} ms while a 2 MB prompt was handled"
     sim, _ = c.sims[0]
     assert c.gateway.prompt_limits.limit(MODEL) == sim.settings.max_model_len  # learned from /v1/models
 
