@@ -170,7 +170,7 @@ class FleetSim:
         sr.hashes = list(bh)
         self.engines[w].add_request(sr)
         mine[rid] = max(1, r.input_length - expected)
-        self.acct[w].sent(mine[rid])
+        self.acct[w].acquire(mine[rid])
         results[rid] = Result(r.id, w, now, r.input_length, r.output_length, expected, route_s,
                               predicted if self.mode.startswith("kvgate") else None)
         if self.waits is not None:
@@ -194,7 +194,7 @@ class FleetSim:
                     res.wait = self.waits.first_token(w, o.request.id)
             if o.finished:
                 res.finish = now
-                a.finished(res.prompt)
+                a.release(context_tokens=res.prompt, got_first_token=True)
 
     def run(self, trace: Sequence[TraceRequest]) -> list[Result]:
         """Replay ``trace``. Each instant is settled as Dynamo's replay settles it: the steps that end

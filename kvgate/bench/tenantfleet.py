@@ -274,7 +274,7 @@ class TenantFleet:
         self.home[r.conversation] = d.worker
         r.worker, r.expected = i, d.expected_cached_tokens
         self.engines[i].add_request(SimRequest(r.id, r.tokens, [0] * r.output, arrival=now))
-        self.acct[i].sent(max(1, len(r.tokens) - d.expected_cached_tokens))
+        self.acct[i].acquire(max(1, len(r.tokens) - d.expected_cached_tokens))
         r.dispatched = now
         return i
 
@@ -291,7 +291,7 @@ class TenantFleet:
                 self.acct[i].first_token(max(1, len(r.tokens) - r.expected), len(r.tokens))
             if o.finished:
                 r.finish = now
-                self.acct[i].finished(len(r.tokens))
+                self.acct[i].release(context_tokens=len(r.tokens), got_first_token=True)
                 held = (now - r.dispatched) * 1000
                 s = self.service_ms[i]
                 self.service_ms[i] = held if s == 0 else s + 0.1 * (held - s)

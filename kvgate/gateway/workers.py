@@ -27,6 +27,7 @@ from kvgate.gateway.enginemetrics import EngineMetrics, parse_metrics
 from kvgate.gateway.health import Health, HealthTracker
 from kvgate.kvstore.health import HealthBoard
 from kvgate.router.hashing import HASH_ALGOS, HashSpec
+from kvgate.router.load import WorkerLoad
 from kvgate.router.types import FleetView, WorkerId, WorkerView
 from kvgate.tasks import cancel_and_wait, stopping
 
@@ -35,23 +36,19 @@ log = logging.getLogger(__name__)
 # Request failures that prove nothing listens at the worker: ejected at once, no hysteresis.
 _HARD_FAILURES = frozenset({"ConnectError"})
 _DEPARTED_KEPT = 1024
-SERVICE_EWMA = 0.1
-"""Weight of the newest request in a worker's average holding time (about the last ten requests)."""
 
 
 @dataclass(slots=True)
-class WorkerState:
+class WorkerState(WorkerLoad):
+    """A worker as the pool knows it: its configuration, its health, what its engine publishes, and the
+    requests kvgate sent there (``WorkerLoad``: the queue the router prices, as the simulator keeps it)."""
+
     config: WorkerConfig
     health: HealthTracker = field(default_factory=HealthTracker)
     joining: bool = False
     """Discovered, not yet health-checked and subscribed: no traffic."""
     draining: bool = False
     """Gone from discovery: no new requests; removed once the ones in flight end."""
-    in_flight: int = 0
-    pending_prefill: int = 0
-    pending_requests: int = 0
-    decode_requests: int = 0
-    decode_tokens: int = 0
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
@@ -72,8 +69,6 @@ class WorkerState:
     """``admission.worker_slots``: wins over the learned cap."""
     foreign: int = 0
     """Requests on it at the last poll that were not this replica's (other replicas', other clients')."""
-    service_s: float | None = None
-    """Moving average of how long its requests hold it (sent to last byte)."""
 
     def hash_spec(self, default_seed: str | None) -> HashSpec:
         c = self.config
@@ -215,37 +210,19 @@ class WorkerPool:
             out[w.config.model] = out.get(w.config.model, False) or w.healthy
         return out
 
-    # -- request accounting --------------------------------------------------------------------
-    # What kvgate knows of each worker's queue is what it sent and what came back: a request is
-    # "pending" (its uncached tokens wait for prefill) until its first token, then "decoding".
+    # -- request accounting (router/load.py: what kvgate sent and what came back) ------------------
     def acquire(self, wid: WorkerId, prefill_tokens: int = 0) -> None:
-        w = self.get(wid)
-        w.in_flight += 1
-        w.pending_prefill += prefill_tokens
-        w.pending_requests += 1
+        self.get(wid).acquire(prefill_tokens)
 
     def first_token(self, wid: WorkerId, prefill_tokens: int, context_tokens: int) -> None:
         w = self.get(wid)
         self._success(w)
-        w.pending_prefill = max(0, w.pending_prefill - prefill_tokens)
-        w.pending_requests = max(0, w.pending_requests - 1)
-        w.decode_requests += 1
-        w.decode_tokens += context_tokens
+        w.first_token(prefill_tokens, context_tokens)
 
     def release(self, wid: WorkerId, prefill_tokens: int = 0, context_tokens: int = 0,
                 got_first_token: bool = False, held_s: float | None = None) -> None:
-        """``held_s``: how long the request held the worker, for a completed one (its average prices the
-        wait for a slot on a full worker)."""
         w = self.get(wid)
-        w.in_flight = max(0, w.in_flight - 1)
-        if held_s is not None and held_s >= 0:
-            w.service_s = held_s if w.service_s is None else w.service_s + SERVICE_EWMA * (held_s - w.service_s)
-        if got_first_token:
-            w.decode_requests = max(0, w.decode_requests - 1)
-            w.decode_tokens = max(0, w.decode_tokens - context_tokens)
-        else:
-            w.pending_prefill = max(0, w.pending_prefill - prefill_tokens)
-            w.pending_requests = max(0, w.pending_requests - 1)
+        w.release(prefill_tokens, context_tokens, got_first_token, held_s)
         if w.draining and w.in_flight == 0:
             self._remove(w)
 

@@ -10,40 +10,21 @@ from typing import Any
 
 from kvgate.router.hashing import event_int
 from kvgate.router.index import PrefixIndex
+from kvgate.router.load import WorkerLoad
 from kvgate.router.types import WorkerId, WorkerView
 from kvgate.sim.blockpool import BlockRemoved, BlockStored, KVEvent
 from kvgate.sim.engine import EngineCore, StepPlan
 
 
 @dataclass(slots=True)
-class Accounting:
-    """What the gateway knows of one worker: only what it sent and what came back (``WorkerPool``'s
-    accounting, for workers in virtual time)."""
+class Accounting(WorkerLoad):
+    """What the gateway knows of one worker: ``WorkerLoad``, the very accounting ``WorkerPool`` keeps
+    (``acquire`` when a request is sent, ``first_token``, ``release``), plus its estimate of the worker's
+    tier-load backlog from its own decisions."""
 
-    in_flight: int = 0
-    pending_prefill: int = 0
-    pending_requests: int = 0
-    decode_requests: int = 0
-    decode_tokens: int = 0
     load_free_at: float = 0.0
     """When the tier loads sent here will have finished (s, virtual time), had each started on the engine's
     channel when it was sent: the router's estimate of the channel's backlog, from its own decisions."""
-
-    def sent(self, prefill_tokens: int) -> None:
-        self.in_flight += 1
-        self.pending_prefill += prefill_tokens
-        self.pending_requests += 1
-
-    def first_token(self, prefill_tokens: int, context_tokens: int) -> None:
-        self.pending_prefill -= prefill_tokens
-        self.pending_requests -= 1
-        self.decode_requests += 1
-        self.decode_tokens += context_tokens
-
-    def finished(self, context_tokens: int) -> None:
-        self.in_flight -= 1
-        self.decode_requests -= 1
-        self.decode_tokens -= context_tokens
 
     def loading(self, ms: float, now: float) -> None:
         if ms > 0:

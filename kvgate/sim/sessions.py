@@ -306,7 +306,7 @@ class SessionFleet:
         sr.hashes = [*hashes, *req.output_hashes]
         self._by_req[rid] = (s, res)
         self._mine[rid] = max(1, len(tokens) - expected)
-        self.acct[w].sent(self._mine[rid])
+        self.acct[w].acquire(self._mine[rid])
         s.home = w
         s.residency = s.residency.stored(self.nodes[w], len(tokens), self.now, self.cpu_tier_ttl_s,
                                          self.tiercfg.chunk_tokens)
@@ -338,7 +338,7 @@ class SessionFleet:
                 self._execute(s, step.commands)
             return
         res.finish = self.now
-        self.acct[w].finished(res.prompt)
+        self.acct[w].release(context_tokens=res.prompt, got_first_token=True)
         s.chain = sr.prompt + sr.output
         s.chain_hashes = sr.hashes
         s.next_round += 1
