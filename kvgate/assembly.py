@@ -31,11 +31,13 @@ from kvgate.admission.slotsync import SlotSync
 from kvgate.admission.store import MemoryQuotaStore, QuotaStore
 from kvgate.clock import Clock, MonotonicClock
 from kvgate.config import GatewaySettings
+from kvgate.connections import Shedding
 from kvgate.discovery import make_source
-from kvgate.errors import ApiError, error_body
+from kvgate.errors import ApiError, ServiceUnavailable, error_body
+from kvgate.fronts.messages.errors import error_body as messages_error
 from kvgate.fronts.messages.routes import add_routes as add_messages_routes
 from kvgate.fronts.responses.routes import Deps as ResponsesDeps
-from kvgate.fronts.responses.routes import make_response_store, responses_routes
+from kvgate.fronts.responses.routes import make_response_store, openai_error, responses_routes
 from kvgate.fronts.responses.store import ResponseStore
 from kvgate.gateway.actions import GatewayActions
 from kvgate.gateway.admin import admin_routes
@@ -278,6 +280,23 @@ class Gateway:
     def _shed(self) -> bool:
         lag_ms = self.settings.overload_shed_lag_ms
         return lag_ms is not None and self.loop_lag.overloaded(lag_ms / 1000)
+
+    def shedding(self) -> Shedding | None:
+        """The same refusal as ``Proxy.handle``'s, made at the connection before the app runs (None: off)."""
+        if self.settings.overload_shed_lag_ms is None:
+            return None
+        exc = ServiceUnavailable("kvgate is overloaded; retry later.", code="overloaded")
+        openai = bytes(exc.response().body)
+        answers = {b"/v1/chat/completions": openai, b"/v1/completions": openai,
+                   b"/v1/responses": bytes(JSONResponse(openai_error(503, exc)).body),
+                   b"/v1/messages": bytes(JSONResponse(messages_error(503, exc)).body)}
+
+        def active() -> bool:
+            if not self._shed():
+                return False
+            self.metrics.shed.inc()
+            return True
+        return Shedding(active, answers, self.settings.retry_after_s)
 
     async def start(self) -> None:
         self._lag_task = asyncio.create_task(self.loop_lag.run(), name="kvgate-loop-lag")

@@ -112,7 +112,8 @@ async def _serve(args: argparse.Namespace) -> None:
                                     graceful_timeout_s=settings.drain_timeout_s, on_drain=drain,
                                     install_signal_handlers=True, limits=settings.hostile.connections,
                                     sock=None if child is None else child.listener(),
-                                    accept_batch=None if child is None else SHARED_ACCEPT_BATCH)
+                                    accept_batch=None if child is None else SHARED_ACCEPT_BATCH,
+                                    shedding=gw.shedding())
     except OSError as exc:
         _cannot_listen(args.cmd, settings.host, settings.port, exc)
     freeze_startup_heap()

@@ -17,11 +17,12 @@ from __future__ import annotations
 import asyncio
 import json
 import resource
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn.server import ServerState
 
@@ -71,12 +72,43 @@ class ConnectionPolicy:
                    cap + max(1, reserve // 2), max(8, min(LISTEN_QUEUE, reserve // 4)))
 
 
-class GuardedConfig(uvicorn.Config):
-    """uvicorn's settings plus the connection policy, which the protocol reads from its config."""
+@dataclass(frozen=True)
+class Shedding:
+    """New inference requests refused at the connection while kvgate's loop runs late (``active``,
+    gateway/looplag.py), before the app sees them. Refused by the app, each still cost the loop its
+    middleware, routing and request objects: at 3x the sustainable rate the refusals themselves kept the
+    loop late, so the requests admitted waited seconds (kvgate bench overhead --loadgen aiperf). Here a
+    refusal costs the parse of its headers (in C) and one write; the connection stays open (its body, if
+    any, is dropped as it arrives)."""
 
-    def __init__(self, app: Any, policy: ConnectionPolicy, **kwargs: Any) -> None:
+    active: Callable[[], bool]
+    """Whether to shed now (it counts what it sheds)."""
+    answers: Mapping[bytes, bytes]
+    """Path -> the refusal's JSON body in that door's own error shape (POST only)."""
+    retry_after_s: int
+
+
+def refusal(body: bytes, retry_after_s: int) -> ASGIApp:
+    """A constant 503 with Retry-After, keep-alive (the app a shed request is handed to)."""
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               (b"retry-after", str(retry_after_s).encode())]
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 503, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+    return app
+
+
+class GuardedConfig(uvicorn.Config):
+    """uvicorn's settings plus the connection policy (and the shedding, if any), which the protocol reads
+    from its config."""
+
+    def __init__(self, app: Any, policy: ConnectionPolicy, shedding: Shedding | None = None, **kwargs: Any) -> None:
         super().__init__(app, http=GuardedProtocol, backlog=policy.accept_batch, **kwargs)
         self.policy = policy
+        self.shedding = shedding
+        self.refusals = {} if shedding is None else \
+            {path: refusal(body, shedding.retry_after_s) for path, body in shedding.answers.items()}
 
 
 async def overloaded(scope: Scope, receive: Receive, send: Send) -> None:
@@ -96,6 +128,8 @@ class GuardedProtocol(HttpToolsProtocol):
         if not isinstance(config, GuardedConfig):
             raise TypeError("GuardedProtocol needs a GuardedConfig")
         self.policy = config.policy
+        self._shedding = config.shedding
+        self._refusals = config.refusals
         self.timeout_keep_alive = self.policy.keep_alive_timeout_s  # type: ignore[assignment]  # uvicorn: int
         self._app = self.app
         self._in_headers = True
@@ -174,9 +208,16 @@ class GuardedProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_headers = False
         self._cancel_header_timer()
-        probe = self.url.split(b"?", 1)[0] in PROBE_PATHS
-        self.app = overloaded if self._over_cap and not probe else self._app
+        path = self.url.split(b"?", 1)[0]
+        probe = path in PROBE_PATHS
+        self.app = overloaded if self._over_cap and not probe else self._shed(path) or self._app
         super().on_headers_complete()
+
+    def _shed(self, path: bytes) -> ASGIApp | None:
+        refuse = self._refusals.get(path)
+        if refuse is None or self._shedding is None or self.parser.get_method() != b"POST":
+            return None
+        return refuse if self._shedding.active() else None
 
     def on_message_complete(self) -> None:
         super().on_message_complete()

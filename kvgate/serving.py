@@ -21,7 +21,7 @@ from types import FrameType
 import uvicorn
 from starlette.types import ASGIApp
 
-from kvgate.connections import LISTEN_QUEUE, ConnectionPolicy, GuardedConfig
+from kvgate.connections import LISTEN_QUEUE, ConnectionPolicy, GuardedConfig, Shedding
 from kvgate.settings.limits import ConnectionLimits
 
 
@@ -113,20 +113,22 @@ def bind(host: str, port: int) -> socket.socket:
 async def start_server(app: ASGIApp, host: str = "127.0.0.1", port: int = 0, *,
                        graceful_timeout_s: float | None = 10.0, on_drain: Callable[[], None] | None = None,
                        install_signal_handlers: bool = False, limits: ConnectionLimits | None = None,
-                       sock: socket.socket | None = None, accept_batch: int | None = None) -> ServerHandle:
+                       sock: socket.socket | None = None, accept_batch: int | None = None,
+                       shedding: Shedding | None = None) -> ServerHandle:
     """``limits``: header deadline and size, keep-alive, connection cap (the defaults unless given).
     ``graceful_timeout_s``: how long a stop waits for open connections and requests (None: for ever —
     a peer that keeps a connection open then holds the stop; a test suite hung on one once).
     ``sock``: a listening socket to serve instead of binding ``host``:``port`` (a ``kvgate serve --workers``
     child serves the one its supervisor bound; kvgate/supervisor.py). ``accept_batch``: connections taken
     per wake-up instead of the connection policy's (a child sharing its socket takes few, so that a burst
-    of new connections is spread over the processes rather than all taken by the first one awake)."""
+    of new connections is spread over the processes rather than all taken by the first one awake).
+    ``shedding``: inference requests refused at the connection while the loop runs late."""
     sock = sock if sock is not None else bind(host, port)
     graceful = None if graceful_timeout_s is None else max(1, round(graceful_timeout_s))
     policy = ConnectionPolicy.from_limits(limits or ConnectionLimits())
     if accept_batch is not None:
         policy = dataclasses.replace(policy, accept_batch=min(accept_batch, policy.accept_batch))
-    config = GuardedConfig(app, policy, log_level="warning",
+    config = GuardedConfig(app, policy, shedding, log_level="warning",
                            lifespan="on", timeout_graceful_shutdown=graceful, access_log=False)
     server = DrainingServer(config, on_drain, owns_signals=install_signal_handlers)
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))

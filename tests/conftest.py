@@ -119,7 +119,8 @@ async def make_cluster(model_dir: Path) -> AsyncIterator[Any]:
             + [WorkerConfig(**x) for x in extra_workers or ()],
             **gw)
         for _ in range(replicas):
-            c.replicas.append(await start_server(create_app(settings)))
+            app = create_app(settings)  # served as `kvgate serve` serves it: shedding at the connection too
+            c.replicas.append(await start_server(app, shedding=app.state.gateway.shedding()))
         c.gateway_handle = c.replicas[0]
         return c
 

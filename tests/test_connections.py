@@ -19,7 +19,7 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request
 
-from kvgate.connections import ConnectionPolicy
+from kvgate.connections import ConnectionPolicy, Shedding
 from kvgate.serving import ServerHandle, free_port, start_server
 from kvgate.settings.limits import ConnectionLimits
 
@@ -205,3 +205,50 @@ async def test_a_gateway_at_its_open_file_limit_still_answers_health() -> None:
             s.close()
         proc.kill()
         await asyncio.wait_for(proc.wait(), 10)
+
+
+async def test_a_shed_request_is_refused_before_the_app_and_its_connection_serves_the_next() -> None:
+    """Shedding (kvgate/connections.Shedding): a POST to a shed path while ``active`` is answered 503 with
+    Retry-After and the door's body, never reaching the app; other methods, paths and the probes do; the
+    connection stays open, the refused request's body dropped, and the next request on it is served."""
+    shed = {"on": True, "count": 0}
+    calls: list[str] = []
+    app = _app()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> dict[str, int]:
+        calls.append("chat")
+        return {"bytes": len(await request.body())}
+
+    def active() -> bool:
+        shed["count"] += shed["on"]
+        return bool(shed["on"])
+
+    refusal = b'{"error":{"code":"overloaded"}}'
+    h = await start_server(app, limits=LIMITS,
+                           shedding=Shedding(active, {b"/v1/chat/completions": refusal}, retry_after_s=3))
+    try:
+        reader, writer = await _connect(h)
+        body = b"x" * 100_000  # a large body behind the refused request's headers: dropped as it arrives
+        writer.write(b"POST /v1/chat/completions?x=1 HTTP/1.1\r\nhost: t\r\ncontent-length: 100000\r\n\r\n" + body)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT_S)
+        assert head.startswith(b"HTTP/1.1 503 ") and b"retry-after: 3\r\n" in head.lower(), head
+        assert await asyncio.wait_for(reader.readexactly(len(refusal)), WAIT_S) == refusal
+        writer.write(_get("/health"))
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT_S)
+        assert head.startswith(b"HTTP/1.1 200 "), head  # a probe is never shed, on the same connection
+        await asyncio.wait_for(reader.readexactly(15), WAIT_S)
+        shed["on"] = False
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-length: 2\r\n\r\n{}")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT_S)
+        assert head.startswith(b"HTTP/1.1 200 "), head
+        assert await asyncio.wait_for(reader.readexactly(11), WAIT_S) == b'{"bytes":2}'
+        writer.close()
+        assert calls == ["chat"] and shed["count"] == 1
+        shed["on"] = True
+        async with httpx.AsyncClient(base_url=h.url) as c:
+            assert (await c.post("/upload", content=b"abc")).json() == {"bytes": 3}  # not a shed path
+            assert (await c.get("/v1/chat/completions")).status_code == 405  # not a POST: the app's answer
+        assert calls == ["chat"] and shed["count"] == 1
+    finally:
+        await h.kill()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
 from typing import Any
@@ -104,6 +105,31 @@ async def test_requests_are_shed_while_the_loop_is_late_and_health_answers(make_
             assert time.monotonic() < deadline
             await asyncio.sleep(0.2)
         assert r.status_code == 200
+
+
+async def test_every_door_refuses_at_the_connection_as_its_app_would(make_cluster: Any) -> None:
+    """The connection's refusal (kvgate/connections.Shedding) is the door's own: the same status, body and
+    Retry-After as ``Proxy.handle`` gives a request that reaches the app while the loop is late (an
+    Anthropic-shaped error on /v1/messages, OpenAI's elsewhere), and it is counted the same."""
+    c = await make_cluster(1, overload_shed_lag_ms=50)
+    app = c.gateway_handle.server.config.app
+    bodies = {"/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+              "/v1/completions": {"model": MODEL, "prompt": "hi"},
+              "/v1/responses": {"model": MODEL, "input": "hi"},
+              "/v1/messages": {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}}
+    shed = c.gateway.metrics.shed
+    async with httpx.AsyncClient(base_url=c.url) as wire, \
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as inside:
+        for path, body in bodies.items():
+            c.gateway.loop_lag.record(time.monotonic(), 0.2)
+            before = shed._value.get()
+            at_connection = await wire.post(path, json=body)
+            in_app = await inside.post(path, json=body)
+            assert at_connection.status_code == in_app.status_code == 503, path
+            assert at_connection.content == in_app.content, path
+            assert at_connection.headers["retry-after"] == in_app.headers["retry-after"], path
+            assert shed._value.get() == before + 2, path
+    assert json.loads(at_connection.content)["error"]["type"] == "overloaded_error"
 
 
 async def _keepalive_racer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
