@@ -44,7 +44,7 @@ from kvgate.gateway.admin import admin_routes
 from kvgate.gateway.auth import Authenticator
 from kvgate.gateway.inputlimits import PromptLimits, learn_context
 from kvgate.gateway.kvevents import KvEventSubscriber, SubscriberCollector
-from kvgate.gateway.looplag import LoopLag
+from kvgate.gateway.looplag import LoopLag, LoopLagCollector
 from kvgate.gateway.membership import Membership
 from kvgate.gateway.observers import MetricsObserver, RequestLogObserver, TraceObserver
 from kvgate.gateway.policyedit import GatewayPolicy, PolicyLog
@@ -254,6 +254,7 @@ class Gateway:
             self.prefix.events.stats, {"precise": self.prefix.index, "approximate": self.prefix.approx.index},
             lambda: self.prompts.parity_failures))
         self.metrics.registry.register(PoolCollector(self.pool))
+        self.metrics.registry.register(LoopLagCollector(self.loop_lag))
         if self.slot_sync is not None:
             self.metrics.registry.register(SlotSyncCollector(self.slot_sync))
         self.membership = None if settings.discovery is None else Membership(

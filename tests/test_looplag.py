@@ -98,6 +98,9 @@ async def test_requests_are_shed_while_the_loop_is_late_and_health_answers(make_
         r = await h.post("/v1/chat/completions", json=body)
         assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded" and r.headers["retry-after"]
         assert (await h.get("/health")).status_code == 200
+        lag = next(line for line in (await h.get("/metrics")).text.splitlines()
+                   if line.startswith("kvgate_event_loop_lag_seconds "))
+        assert float(lag.split()[1]) >= 0.2, lag
         # Once the loop is on time for the hold, requests go through again (this machine's own load may
         # keep it late for a while: wait for it rather than for a fixed time).
         deadline = time.monotonic() + 30

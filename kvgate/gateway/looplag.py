@@ -17,7 +17,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 BLAME_FRACTION = 0.25
 """A timeout whose window saw the loop late by at least this fraction of it is the loop's: at that
@@ -48,6 +51,10 @@ class LoopLag:
         since = now - within_s - self._bucket_s
         return max((late for start, late in self._buckets if start >= since), default=0.0)
 
+    def recent(self, within_s: float) -> float:
+        """The worst lateness recorded in the last ``within_s`` until now."""
+        return self.worst(self._clock(), within_s)
+
     def blames_loop(self, timeout_s: float) -> bool:
         """Whether a timeout of ``timeout_s`` that just fired is better blamed on this loop than the peer."""
         return self.worst(self._clock(), timeout_s) >= BLAME_FRACTION * timeout_s
@@ -63,3 +70,21 @@ class LoopLag:
             due = loop.time() + self.interval_s
             await asyncio.sleep(self.interval_s)
             self.record(self._clock(), max(0.0, loop.time() - due))
+
+
+LAG_WINDOW_S = 10.0
+"""What the lag gauge reports: the worst of the last this many seconds (a scrape every 15 s still sees a
+stall that lasted a moment, which an instantaneous reading would miss)."""
+
+
+class LoopLagCollector(Collector):
+    """``kvgate_event_loop_lag_seconds``: how late this process's loop ran lately — the first sign that a
+    replica is past what one core serves (docs/operations.md, "Overload and the workers' health")."""
+
+    def __init__(self, lag: LoopLag) -> None:
+        self._lag = lag
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("kvgate_event_loop_lag_seconds", "The worst lateness of this process's event "
+                                f"loop over the last {LAG_WINDOW_S:g} s (a 20 ms ticker's oversleep).",
+                                value=self._lag.recent(LAG_WINDOW_S))
