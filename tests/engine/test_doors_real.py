@@ -15,6 +15,7 @@ import json
 import re
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -26,6 +27,7 @@ from kvgate.assembly import create_app
 from kvgate.config import GatewaySettings, WorkerConfig
 from kvgate.router.cost import CostParams
 from kvgate.serving import ServerHandle, start_server
+from kvgate.tokens.tokenizer import ChatTokenizer
 from tests.engine.conftest import Pair
 
 MODEL = "kvgate-tiny"
@@ -61,9 +63,21 @@ async def gateway(pair: Pair) -> AsyncIterator[ServerHandle]:
     await gw.stop()
 
 
-async def check(gw: ServerHandle, steps: list[tuple[str, str, int, int]], messages_per_step: int) -> None:
+def generation_prompt_tokens(model: Path) -> int:
+    """The tokens the template appends to a prompt for the answer (thinking off: ``<|im_start|>assistant``
+    and an empty ``<think></think>``). The next request renders that answer without the empty think block,
+    so its prompt may leave the previous one's a few tokens before that prompt's end."""
+    tok = ChatTokenizer(model)
+    msgs = [{"role": "user", "content": "u"}]
+    return len(tok.encode_chat(msgs, template_kwargs=NO_THINKING["chat_template_kwargs"])) - \
+        len(tok.encode_chat(msgs, add_generation_prompt=False))
+
+
+async def check(gw: ServerHandle, steps: list[tuple[str, str, int, int]], messages_per_step: int,
+                generation_prompt: int) -> None:
     """``steps``: (worker, conversation id, engine-reported cached, kvgate's expected) per request;
-    ``messages_per_step``: the chat messages each step adds to the prompt (which starts with two)."""
+    ``messages_per_step``: the chat messages each step adds to the prompt (which starts with two);
+    ``generation_prompt``: ``generation_prompt_tokens``."""
     async with httpx.AsyncClient() as h:
         conv = (await h.get(f"{gw.url}/admin/conversations/{steps[0][1]}")).json()
     turns = conv["turns"]
@@ -78,8 +92,10 @@ async def check(gw: ServerHandle, steps: list[tuple[str, str, int, int]], messag
     for i, (prev, t) in enumerate(itertools.pairwise(turns)):
         assert t["cache_lost_tokens"] == 0, t  # nothing rerouted or evicted
         # The agent's own call follows the engine's answer, so the prompt leaves the cached chain only
-        # after the previous prompt: all of its whole blocks are reused ...
-        assert t["cached_tokens"] >= prev["prompt_tokens"] // 128 * 128, (prev, t)
+        # after the previous prompt (less the generation prompt's empty think block, which the answer's
+        # rendering drops: a run failed on a divergence 6 tokens before a block boundary): all of its
+        # whole blocks are reused ...
+        assert t["cached_tokens"] >= (prev["prompt_tokens"] - generation_prompt) // 128 * 128, (prev, t)
         # ... and what is lost is named at the message where it diverged: the answer or after it.
         assert not t["lost_tokens"] or t["loss_cause"], t
         if t["loss_cause"] not in (None, "block_alignment"):
@@ -92,7 +108,7 @@ async def settle() -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["create", "stream"])
-async def test_responses_tool_loop_on_real_vllm(gateway: ServerHandle, stream: bool) -> None:
+async def test_responses_tool_loop_on_real_vllm(gateway: ServerHandle, pair: Pair, stream: bool) -> None:
     oc = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0, timeout=120)
     instructions = system()
     prev: Any = None
@@ -121,7 +137,7 @@ async def test_responses_tool_loop_on_real_vllm(gateway: ServerHandle, stream: b
                       "arguments": json.dumps({"query": f"cache bug {i}"})},
                      {"type": "function_call_output", "call_id": call, "output": tool_output(i)}]
         await settle()
-    await check(gateway, steps, 3)  # the answer, the agent's function_call, its output
+    await check(gateway, steps, 3, generation_prompt_tokens(pair.model))  # the answer, its function_call, output
     # The stored response: retrieved as it was answered, its own input items listed, and continued once
     # more (the conversation record rebuilds the whole history from the id alone).
     assert (await oc.responses.retrieve(prev.id)).output == prev.output
@@ -139,7 +155,7 @@ async def test_responses_tool_loop_on_real_vllm(gateway: ServerHandle, stream: b
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["create", "stream"])
-async def test_messages_tool_loop_on_real_vllm(gateway: ServerHandle, stream: bool) -> None:
+async def test_messages_tool_loop_on_real_vllm(gateway: ServerHandle, pair: Pair, stream: bool) -> None:
     session = f"cc-real-{uuid.uuid4().hex[:8]}"
     async with anthropic.AsyncAnthropic(base_url=gateway.url, api_key="x", max_retries=0, timeout=120) as ac:
         sys_prompt = system()
@@ -170,4 +186,4 @@ async def test_messages_tool_loop_on_real_vllm(gateway: ServerHandle, stream: bo
                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use,
                                                    "content": tool_output(i)}]}]
             await settle()
-    await check(gateway, steps, 2)  # the answer with the agent's tool_use, its tool_result
+    await check(gateway, steps, 2, generation_prompt_tokens(pair.model))  # the answer + tool_use, tool_result
