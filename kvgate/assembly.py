@@ -250,18 +250,23 @@ class Gateway:
         self.proxy = Proxy(Preparer(settings, self.pool, self.turns, self.prompts, self.runtime, m, router.holder,
                                     self.prompt_limits, self.admission, self.grouping),
                            sender, m, self.tracing, self.auth, self._shed)
-        m.registry.register(PrefixCollector(
-            self.prefix.events.stats, {"precise": self.prefix.index, "approximate": self.prefix.approx.index},
-            lambda: self.prompts.parity_failures))
-        self.metrics.registry.register(PoolCollector(self.pool))
-        self.metrics.registry.register(LoopLagCollector(self.loop_lag))
-        if self.slot_sync is not None:
-            self.metrics.registry.register(SlotSyncCollector(self.slot_sync))
         self.membership = None if settings.discovery is None else Membership(
             self.pool, self.subscriber, self.prefix, make_source(settings.discovery),
             settings.kv_events_sync_timeout_s, self.prompts.check_parity, settings.health_interval_s)
-        self.metrics.registry.register(SubscriberCollector(self.subscriber))
+        self._register_collectors()
         self.draining = False
+
+    def _register_collectors(self) -> None:
+        """What /metrics reads from the parts' own state at each scrape."""
+        r = self.metrics.registry
+        r.register(PrefixCollector(
+            self.prefix.events.stats, {"precise": self.prefix.index, "approximate": self.prefix.approx.index},
+            lambda: self.prompts.parity_failures))
+        r.register(PoolCollector(self.pool))
+        r.register(LoopLagCollector(self.loop_lag))
+        if self.slot_sync is not None:
+            r.register(SlotSyncCollector(self.slot_sync))
+        r.register(SubscriberCollector(self.subscriber))
 
     async def _worker_tokenize(self, model: str, body: dict[str, Any]) -> list[int] | None:
         """Tokens from the first healthy worker of ``model`` that answers /tokenize."""
