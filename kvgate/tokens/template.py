@@ -17,6 +17,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kvgate import safejson
+from kvgate.tokens.render_qwen3 import renderer_for
 
 
 class TemplateError(ValueError):
@@ -137,10 +138,13 @@ def normalize_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str,
 
 class ChatTemplate:
     def __init__(self, source: str, special_tokens: Mapping[str, str | None] | None = None,
-                 sandbox: bool = True) -> None:
+                 sandbox: bool = True, fast: bool = True) -> None:
+        """``fast`` False: always Jinja (the reference the fast renderer is tested against)."""
         self.source = source
         self._compiled = compile_template(source, sandbox)
         self._special = dict(special_tokens or {})
+        self._fast = renderer_for(source) if fast else None
+        """A known template's renderer in plain Python (``render_qwen3.py``); Jinja renders what it declines."""
 
     def render(
         self,
@@ -153,9 +157,13 @@ class ChatTemplate:
         kwargs = dict(self._special)
         kwargs.update(template_kwargs or {})
         try:
+            msgs, norm_tools = normalize_messages(messages), normalize_tools(tools)
+            if self._fast is not None \
+                    and (text := self._fast(msgs, norm_tools, add_generation_prompt, kwargs)) is not None:
+                return text
             return self._compiled.render(
-                messages=normalize_messages(messages),
-                tools=normalize_tools(tools),
+                messages=msgs,
+                tools=norm_tools,
                 add_generation_prompt=add_generation_prompt,
                 **kwargs,
             )
