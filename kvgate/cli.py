@@ -231,6 +231,7 @@ def _serve_parser(sub: Any, name: str = "serve") -> None:
     from typing import get_args
 
     from kvgate.config import EngineKind, GatewaySettings
+    from kvgate.serving import LOOPS
     from kvgate.settings_cli import add_options
 
     g = GatewaySettings
@@ -256,6 +257,8 @@ def _serve_parser(sub: Any, name: str = "serve") -> None:
     s.add_argument("--log-level", default=argparse.SUPPRESS, type=str.upper,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level, as before the command "
                    "(default: INFO)")
+    s.add_argument("--loop", default=argparse.SUPPRESS, choices=LOOPS, help="the event loop, as before the "
+                   "command (default: auto)")
     s.add_argument("--workers", "--processes", dest="processes", type=int, metavar="N",
                    help="gateway processes on the one port, like uvicorn's and gunicorn's --workers (not the "
                    "inference workers: --worker); above 1 needs session_store: redis, docs/operations.md "
@@ -313,10 +316,15 @@ def _tune(args: argparse.Namespace) -> None:
 
 
 def _build_parser() -> argparse.ArgumentParser:
+    from kvgate.serving import LOOPS
+
     ap = argparse.ArgumentParser(prog="kvgate", description=DESCRIPTION, epilog=EPILOG,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--log-level", default="INFO", type=str.upper,
                     choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level (default: INFO)")
+    ap.add_argument("--loop", default=os.environ.get("KVGATE_LOOP", "auto"), choices=LOOPS,
+                    help="serve, epp and sim: the event loop, as uvicorn's --loop: auto (uvloop if installed), "
+                    "asyncio or uvloop (default: auto; env KVGATE_LOOP)")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND", title="commands")
     _serve_parser(sub)
     _serve_parser(sub, "epp")
@@ -465,8 +473,14 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         raise SystemExit(ctl_run(args))
     if args.cmd in ("serve", "epp", "sim"):
+        from kvgate.serving import loop_factory
+
         try:
-            asyncio.run(_sim(args) if args.cmd == "sim" else _serve(args))
+            with asyncio.Runner(loop_factory=loop_factory(args.loop)) as runner:
+                loop = runner.get_loop()
+                logging.getLogger("kvgate").debug("event loop: %s", "uvloop" if type(loop).__module__.startswith(
+                    "uvloop") else "asyncio")
+                runner.run(_sim(args) if args.cmd == "sim" else _serve(args))
         except KeyboardInterrupt:
             # Ctrl-C: the server has drained and stopped; uvicorn passes the signal on once it is done, and a
             # traceback would only hide that this is a clean stop (uvicorn.run swallows it likewise).

@@ -61,3 +61,24 @@ async def test_only_the_owning_server_installs_signal_handlers_and_sigterm_drain
             await side.stop()
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_the_serving_loop_is_chosen_as_uvicorns_loop_option() -> None:
+    import uvloop
+
+    from kvgate.serving import loop_factory
+
+    assert loop_factory("auto") is uvloop.new_event_loop  # uvicorn[standard] installs it
+    assert loop_factory("uvloop") is uvloop.new_event_loop
+    assert loop_factory("asyncio") is None
+
+
+def test_kvgate_serve_runs_on_the_chosen_loop() -> None:
+    """A served process names its loop in a start-up debug line."""
+    import subprocess
+    import sys
+
+    for loop, want in (("auto", "uvloop"), ("asyncio", "asyncio")):
+        out = subprocess.run([sys.executable, "-m", "kvgate.cli", "--log-level", "DEBUG", "--loop", loop, "sim", "--port", "0",
+                              "--model-dir", "/nonexistent"], capture_output=True, text=True, timeout=60)
+        assert f"event loop: {want}" in out.stderr, out.stderr[-2000:]
