@@ -474,9 +474,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(ctl_run(args))
     if args.cmd in ("serve", "epp", "sim"):
         from kvgate.serving import loop_factory
+        from kvgate.supervisor import CHILD_ENV
 
+        # A --workers child shares its supervisor's listening socket and takes a few connections per
+        # wake-up (SHARED_ACCEPT_BATCH), so a burst spreads over the children; uvloop (libuv) accepts until
+        # the queue is empty whatever the backlog, which would hand the burst to the first child awake.
+        loop = "asyncio" if args.loop == "auto" and CHILD_ENV in os.environ else args.loop
         try:
-            with asyncio.Runner(loop_factory=loop_factory(args.loop)) as runner:
+            with asyncio.Runner(loop_factory=loop_factory(loop)) as runner:
                 loop = runner.get_loop()
                 logging.getLogger("kvgate").debug("event loop: %s", "uvloop" if type(loop).__module__.startswith(
                     "uvloop") else "asyncio")

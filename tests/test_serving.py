@@ -78,7 +78,13 @@ def test_kvgate_serve_runs_on_the_chosen_loop() -> None:
     import subprocess
     import sys
 
-    for loop, want in (("auto", "uvloop"), ("asyncio", "asyncio")):
-        out = subprocess.run([sys.executable, "-m", "kvgate.cli", "--log-level", "DEBUG", "--loop", loop, "sim", "--port", "0",
-                              "--model-dir", "/nonexistent"], capture_output=True, text=True, timeout=60)
+    from kvgate.supervisor import CHILD_ENV
+
+    # A --workers child keeps asyncio's loop under auto: its accept batch spreads bursts over the children.
+    for loop, child, want in (("auto", False, "uvloop"), ("asyncio", False, "asyncio"), ("auto", True, "asyncio"),
+                              ("uvloop", True, "uvloop")):
+        env = {**os.environ, **({CHILD_ENV: "not read by sim"} if child else {})}
+        out = subprocess.run([sys.executable, "-m", "kvgate.cli", "--log-level", "DEBUG", "--loop", loop, "sim",
+                              "--port", "0", "--model-dir", "/nonexistent"], capture_output=True, text=True,
+                             timeout=60, env=env)
         assert f"event loop: {want}" in out.stderr, out.stderr[-2000:]
