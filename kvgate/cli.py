@@ -323,8 +323,8 @@ def _build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--log-level", default="INFO", type=str.upper,
                     choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level (default: INFO)")
     ap.add_argument("--loop", default=os.environ.get("KVGATE_LOOP", "auto"), choices=LOOPS,
-                    help="serve, epp and sim: the event loop, as uvicorn's --loop: auto (uvloop if installed), "
-                    "asyncio or uvloop (default: auto; env KVGATE_LOOP)")
+                    help="serve, epp and sim: the event loop, as uvicorn's --loop: auto (uvloop if installed, "
+                    "except for sim and --workers children), asyncio or uvloop (default: auto; env KVGATE_LOOP)")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND", title="commands")
     _serve_parser(sub)
     _serve_parser(sub, "epp")
@@ -476,10 +476,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         from kvgate.serving import loop_factory
         from kvgate.supervisor import CHILD_ENV
 
-        # A --workers child shares its supervisor's listening socket and takes a few connections per
-        # wake-up (SHARED_ACCEPT_BATCH), so a burst spreads over the children; uvloop (libuv) accepts until
-        # the queue is empty whatever the backlog, which would hand the burst to the first child awake.
-        loop = "asyncio" if args.loop == "auto" and CHILD_ENV in os.environ else args.loop
+        # auto stays on asyncio for two processes. A --workers child shares its supervisor's listening
+        # socket and takes a few connections per wake-up (SHARED_ACCEPT_BATCH), so a burst spreads over
+        # the children; uvloop (libuv) accepts until the queue is empty whatever the backlog, which would
+        # hand the burst to the first child awake. The simulator's timing model sleeps for steps of about a
+        # millisecond: asyncio rounds those up to its clock's millisecond, libuv truncates (2.4 ms sleeps
+        # 2.2), and its calibration and every recorded run are asyncio's.
+        keep = args.cmd == "sim" or CHILD_ENV in os.environ
+        loop = "asyncio" if args.loop == "auto" and keep else args.loop
         try:
             with asyncio.Runner(loop_factory=loop_factory(loop)) as runner:
                 loop = runner.get_loop()
