@@ -31,9 +31,7 @@ LOOPS: tuple[Loop, ...] = ("auto", "asyncio", "uvloop")
 
 def loop_factory(loop: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
     """The event loop a serving process runs on, chosen as uvicorn's ``--loop`` is: ``auto`` is uvloop when
-    it is installed (``uvicorn[standard]`` installs it). The process's own per-request work — socket
-    reads and writes, callbacks, timers — runs in C there instead of asyncio's Python loop (measured in
-    docs/routing.md: a fifth of kvgate's CPU per request). None: asyncio's default loop."""
+    it is installed (``uvicorn[standard]`` installs it). None: asyncio's default loop."""
     if loop == "asyncio":
         return None
     try:

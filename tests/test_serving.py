@@ -81,12 +81,14 @@ def test_kvgate_serve_runs_on_the_chosen_loop() -> None:
     from kvgate.supervisor import CHILD_ENV
 
     # A --workers child keeps asyncio's loop under auto (its accept batch spreads bursts over the children),
-    # and so does the simulator (its timing model's sleeps); serve takes uvloop. A bad --port ends each run
+    # and so does the simulator (its timing model's sleeps); the default is asyncio. A bad --port ends each run
     # right after the loop is chosen.
-    for cmd, loop, child, want in (("serve", "auto", False, "uvloop"), ("serve", "asyncio", False, "asyncio"),
-                                   ("serve", "auto", True, "asyncio"), ("sim", "auto", False, "asyncio"),
-                                   ("sim", "uvloop", False, "uvloop")):
-        env = {**os.environ, **({CHILD_ENV: "not a spec"} if child else {})}
-        out = subprocess.run([sys.executable, "-m", "kvgate.cli", "--log-level", "DEBUG", "--loop", loop, cmd,
+    for cmd, loop, child, want in (("serve", None, False, "asyncio"), ("serve", "auto", False, "uvloop"),
+                                   ("serve", "uvloop", False, "uvloop"), ("serve", "auto", True, "asyncio"),
+                                   ("sim", "auto", False, "asyncio"), ("sim", "uvloop", False, "uvloop")):
+        env = {k: v for k, v in os.environ.items() if k != "KVGATE_LOOP"}
+        env.update({CHILD_ENV: "not a spec"} if child else {})
+        chosen = [] if loop is None else ["--loop", loop]
+        out = subprocess.run([sys.executable, "-m", "kvgate.cli", "--log-level", "DEBUG", *chosen, cmd,
                               "--port", "-1"], capture_output=True, text=True, timeout=60, env=env)
         assert f"event loop: {want}" in out.stderr, (cmd, loop, child, out.stderr[-2000:])
