@@ -478,7 +478,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         from kvgate.serving import loop_factory
         from kvgate.supervisor import CHILD_ENV
 
-        # auto stays on asyncio for two processes. A --workers child shares its supervisor's listening
+        # auto stays on asyncio for two kinds of process. A --workers child shares its supervisor's listening
         # socket and takes a few connections per wake-up (SHARED_ACCEPT_BATCH), so a burst spreads over
         # the children; uvloop (libuv) accepts until the queue is empty whatever the backlog, which would
         # hand the burst to the first child awake. The simulator's timing model sleeps for steps of about a
@@ -488,9 +488,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         loop = "asyncio" if args.loop == "auto" and keep else args.loop
         try:
             with asyncio.Runner(loop_factory=loop_factory(loop)) as runner:
-                loop = runner.get_loop()
-                logging.getLogger("kvgate").debug("event loop: %s", "uvloop" if type(loop).__module__.startswith(
-                    "uvloop") else "asyncio")
+                running = type(runner.get_loop()).__module__
+                logging.getLogger("kvgate").debug("event loop: %s", "uvloop" if running.startswith("uvloop")
+                                                  else "asyncio")
                 runner.run(_sim(args) if args.cmd == "sim" else _serve(args))
         except KeyboardInterrupt:
             # Ctrl-C: the server has drained and stopped; uvicorn passes the signal on once it is done, and a
