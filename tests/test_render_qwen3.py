@@ -124,4 +124,9 @@ def test_declined_shapes_go_to_jinja() -> None:
     for msgs in cases:
         assert render_qwen3.render(normalize_messages(msgs), None, True, SPECIAL) is None
     assert render_qwen3.render(ok, None, True, {"namespace": 1}) is None
+    # Content as a tuple (from code, not JSON): the test model's template joins its text parts.
+    parts = [{"role": "user", "content": ({"type": "text", "text": "a"},)}]
+    assert render_qwen3.render(parts, None, True, SPECIAL) is None
+    jinja = ChatTemplate(CHAT_TEMPLATE, SPECIAL, fast=False)
+    assert ChatTemplate(CHAT_TEMPLATE, SPECIAL).render(parts) == jinja.render(parts)
     assert render_qwen3.render(ok, None, True, SPECIAL) == "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n"

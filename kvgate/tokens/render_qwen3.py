@@ -96,8 +96,10 @@ def render(messages: Sequence[Mapping[str, Any]], tools: list[dict[str, Any]] | 
 
 def _plain(messages: Sequence[Mapping[str, Any]]) -> bool:
     """Every message a dict with one of the template's roles (others render nothing in Jinja, but a
-    neighbour's role is compared too: left to Jinja)."""
-    return all(type(m) is dict and isinstance(r := m.get("role"), str) and r in _ROLES for m in messages)
+    neighbour's role is compared too: left to Jinja), and no content a sequence other than a string (the test
+    model's template joins the text parts of one; ``normalize_messages`` has joined a list already)."""
+    return all(type(m) is dict and isinstance(r := m.get("role"), str) and r in _ROLES
+               and not isinstance(m.get("content"), list | tuple | set | frozenset) for m in messages)
 
 
 def _last_query(messages: Sequence[Mapping[str, Any]]) -> int:
