@@ -315,11 +315,10 @@ def _tune(args: argparse.Namespace) -> None:
     print(text)
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def _global_options(ap: argparse.ArgumentParser) -> None:
+    """The options given before the command."""
     from kvgate.serving import LOOPS
 
-    ap = argparse.ArgumentParser(prog="kvgate", description=DESCRIPTION, epilog=EPILOG,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--log-level", default="INFO", type=str.upper,
                     choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level (default: INFO)")
     # asyncio by default: uvloop measured no different in kvgate's CPU per request (docs/routing.md), and
@@ -327,6 +326,12 @@ def _build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--loop", default=os.environ.get("KVGATE_LOOP", "asyncio"), choices=LOOPS,
                     help="serve, epp and sim: the event loop, as uvicorn's --loop: asyncio, uvloop, or auto (uvloop "
                     "if installed, except for sim and --workers children) (default: asyncio; env KVGATE_LOOP)")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kvgate", description=DESCRIPTION, epilog=EPILOG,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    _global_options(ap)
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND", title="commands")
     _serve_parser(sub)
     _serve_parser(sub, "epp")
@@ -463,6 +468,25 @@ def _bench(args: argparse.Namespace) -> None:
                                       only=args.only, loads=args.loads))
 
 
+
+def _run_served(args: argparse.Namespace) -> None:
+    """``serve``, ``epp`` or ``sim`` on the event loop ``--loop`` chooses."""
+    from kvgate.serving import loop_factory
+    from kvgate.supervisor import CHILD_ENV
+
+    # auto stays on asyncio for two kinds of process. A --workers child shares its supervisor's listening
+    # socket and takes a few connections per wake-up (SHARED_ACCEPT_BATCH), so a burst spreads over
+    # the children; uvloop (libuv) accepts until the queue is empty whatever the backlog, which would
+    # hand the burst to the first child awake. The simulator's timing model sleeps for steps of about a
+    # millisecond: asyncio rounds those up to its clock's millisecond, libuv truncates (2.4 ms sleeps
+    # 2.2), and its calibration and every recorded run are asyncio's.
+    keep = args.cmd == "sim" or CHILD_ENV in os.environ
+    loop = "asyncio" if args.loop == "auto" and keep else args.loop
+    with asyncio.Runner(loop_factory=loop_factory(loop)) as runner:
+        running = type(runner.get_loop()).__module__
+        logging.getLogger("kvgate").debug("event loop: %s", "uvloop" if running.startswith("uvloop") else "asyncio")
+        runner.run(_sim(args) if args.cmd == "sim" else _serve(args))
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = _build_parser()
     args = ap.parse_args(argv)
@@ -475,23 +499,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         raise SystemExit(ctl_run(args))
     if args.cmd in ("serve", "epp", "sim"):
-        from kvgate.serving import loop_factory
-        from kvgate.supervisor import CHILD_ENV
-
-        # auto stays on asyncio for two kinds of process. A --workers child shares its supervisor's listening
-        # socket and takes a few connections per wake-up (SHARED_ACCEPT_BATCH), so a burst spreads over
-        # the children; uvloop (libuv) accepts until the queue is empty whatever the backlog, which would
-        # hand the burst to the first child awake. The simulator's timing model sleeps for steps of about a
-        # millisecond: asyncio rounds those up to its clock's millisecond, libuv truncates (2.4 ms sleeps
-        # 2.2), and its calibration and every recorded run are asyncio's.
-        keep = args.cmd == "sim" or CHILD_ENV in os.environ
-        loop = "asyncio" if args.loop == "auto" and keep else args.loop
         try:
-            with asyncio.Runner(loop_factory=loop_factory(loop)) as runner:
-                running = type(runner.get_loop()).__module__
-                logging.getLogger("kvgate").debug("event loop: %s", "uvloop" if running.startswith("uvloop")
-                                                  else "asyncio")
-                runner.run(_sim(args) if args.cmd == "sim" else _serve(args))
+            _run_served(args)
         except KeyboardInterrupt:
             # Ctrl-C: the server has drained and stopped; uvicorn passes the signal on once it is done, and a
             # traceback would only hide that this is a clean stop (uvicorn.run swallows it likewise).
