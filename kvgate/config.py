@@ -228,9 +228,9 @@ class GatewaySettings(YamlSettings):
     """Refuse new requests (503 ``overloaded``, Retry-After) while kvgate's own event loop runs later than
     this (gateway/looplag.py); None: never. 20–50 keeps admitted requests' added latency bounded when the
     offered load exceeds what one process serves (docs/operations.md)."""
-    upstream_client: Literal["aiohttp", "httpx"] = "aiohttp"
-    """The HTTP client that carries proxied requests to the workers (kvgate/gateway/upstream.py: aiohttp
-    costs a third of httpx's CPU per streamed request; httpx is kept to compare)."""
+    upstream_client: Literal["httptools", "aiohttp", "httpx"] = "httptools"
+    """The HTTP client that carries proxied requests to the workers: kvgate's own on httptools' parser
+    (gateway/h1client.py), or aiohttp or httpx, kept to compare (docs/routing.md measures the three)."""
     retry_after_s: int = Field(1, ge=0)
     """``Retry-After`` on a 503."""
     drain_timeout_s: float = Field(30.0, ge=0)

@@ -39,7 +39,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvgate.bench.overhead import MODEL, _cpu_s, _router_cmd, _spawn
+from kvgate.bench.overhead import MODEL, _cpu_s, _router_cmd, _spawn, upstream_client
 from kvgate.dev.loadgen import AIPERF_SPEC, ensure_loadgen, loadgen_bin
 from kvgate.serving import free_port
 from kvgate.tokens.tinymodel import WORDS, ensure_tiny_model
@@ -245,8 +245,7 @@ def _warm(url: str, n: int = 3) -> None:
 
 
 def _sim_env(model: Path) -> dict[str, str]:
-    return {"KVGATE_TOKENIZERS": json.dumps({MODEL: str(model)}), "KVGATE_SIM_MAX_MODEL_LEN": "131072",
-            "KVGATE_UPSTREAM_CLIENT": "aiohttp"}
+    return {"KVGATE_TOKENIZERS": json.dumps({MODEL: str(model)}), "KVGATE_SIM_MAX_MODEL_LEN": "131072"}
 
 
 def start_stack(name: str, n_workers: int, out: Path, model: Path, tag: str, extra: Sequence[str] = ()
@@ -277,7 +276,8 @@ def start_stack(name: str, n_workers: int, out: Path, model: Path, tag: str, ext
             cmd += ["--workers", "2", "--session-store", "redis", "--redis-url", REDIS_URL,
                     "--redis-prefix", f"kvgate-bench-{uuid.uuid4().hex[:8]}:"]
             cores = "0,1"
-        stack.router = _spawn(cmd, cores, out / f"{tag}-{slug}.log", _sim_env(model))
+        stack.router = _spawn(cmd, cores, out / f"{tag}-{slug}.log",
+                              {**_sim_env(model), "KVGATE_UPSTREAM_CLIENT": upstream_client(name)})
         procs.append(stack.router)
         stack.urls = [f"http://127.0.0.1:{port}"]
         _wait_ready(stack.urls[0] + ready, procs)

@@ -126,7 +126,7 @@ async def _run_rate(gw: str, direct: str, rate: float, seconds: float, n_turns: 
     return samples
 
 
-ROUTERS = ("kvgate", "kvgate (httpx upstream)", "sglang-router cache_aware", "vllm-router cache_aware")
+ROUTERS = ("kvgate", "kvgate (aiohttp upstream)", "sglang-router cache_aware", "vllm-router cache_aware")
 
 
 def _spawn(cmd: list[str], core: str | None, log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
@@ -151,6 +151,11 @@ def _router_cmd(name: str, port: int, workers: Sequence[str]) -> tuple[list[str]
             else [str(venv / "bin" / "vllm-router")])
     return [*head, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers, "--policy", policy,
             "--prometheus-port", str(free_port())], "/health"
+
+
+def upstream_client(name: str) -> str:
+    """kvgate's upstream client for a row named "kvgate (httpx upstream)" or "(aiohttp upstream)"."""
+    return next((c for c in ("httpx", "aiohttp") if f"({c} upstream)" in name), "httptools")
 
 
 def _cpu_s(pid: int) -> float:
@@ -224,9 +229,10 @@ async def measure_router(name: str, rates: tuple[float, ...], seconds: float, ou
     # ~250 new tokens each already fill the modelled engine and inter-token gaps reach 0.7 s).
     sim = [sys.executable, "-m", "kvgate.cli", "--log-level", "WARNING", "sim", "--model-dir", str(model),
            "--profile", "h100-llama3-8b", "--block-size", "16", "--speed", "4"]
-    tag = name.split()[0] + ("-httpx" if "httpx" in name else "")
+    client = upstream_client(name)
+    tag = name.split()[0] + ("" if client == "httptools" else f"-{client}")
     env = {"KVGATE_TOKENIZERS": json.dumps({MODEL: str(model)}), "KVGATE_SIM_MAX_MODEL_LEN": "131072",
-           "KVGATE_UPSTREAM_CLIENT": "httpx" if "httpx" in name else "aiohttp"}
+           "KVGATE_UPSTREAM_CLIENT": upstream_client(name)}
     procs = [_spawn([*sim, "--port", str(p)], "1", out / f"overhead-{tag}-sim{i}.log", env)
              for i, p in enumerate((p1, p2))]
     w1, w2, gw = f"http://127.0.0.1:{p1}", f"http://127.0.0.1:{p2}", f"http://127.0.0.1:{pg}"

@@ -197,8 +197,12 @@ class _HttpxResponse:
         await self._resp.aclose()
 
 
-def make_upstream(kind: Literal["aiohttp", "httpx"], client: httpx.AsyncClient, connect_timeout_s: float,
-                  read_timeout_s: float, keepalive_s: float = 4.0) -> Upstream:
+def make_upstream(kind: Literal["httptools", "aiohttp", "httpx"], client: httpx.AsyncClient,
+                  connect_timeout_s: float, read_timeout_s: float, keepalive_s: float = 4.0) -> Upstream:
     if kind == "httpx":
         return HttpxUpstream(client)
-    return AiohttpUpstream(connect_timeout_s, read_timeout_s, keepalive_s=keepalive_s)
+    if kind == "aiohttp":
+        return AiohttpUpstream(connect_timeout_s, read_timeout_s, keepalive_s=keepalive_s)
+    from kvgate.gateway.h1client import H1Upstream  # it builds on this module's errors
+
+    return H1Upstream(connect_timeout_s, read_timeout_s, keepalive_s=keepalive_s)
