@@ -42,7 +42,7 @@ from kvgate.fronts.responses.store import ResponseStore
 from kvgate.gateway.actions import GatewayActions
 from kvgate.gateway.admin import admin_routes
 from kvgate.gateway.auth import Authenticator
-from kvgate.gateway.inputlimits import PromptLimits, learn_context
+from kvgate.gateway.inputlimits import PromptLimits
 from kvgate.gateway.kvevents import KvEventSubscriber, SubscriberCollector
 from kvgate.gateway.looplag import LoopLag, LoopLagCollector
 from kvgate.gateway.membership import Membership
@@ -218,6 +218,7 @@ class Gateway:
                                      settings.hostile.inline_prompt_chars)
         self.prompt_limits = PromptLimits(settings.hostile, {m: t.max_token_chars for m, t in tokenizers.items()},
                                           {m: t.max_model_len for m, t in tokenizers.items()})
+        self.pool.on_context(self.prompt_limits.learn)  # each worker's, as it first answers (gateway/workers.py)
         self.turns = TurnService(settings.protocols, settings.reasoning_policy, settings.tenant_reasoning_policies,
                                  self.prompts, Limits(max_bytes=settings.max_conversation_bytes))
         self.tiers = TierView(settings, self.client, self.clock.now, wall, m, self.cost)
@@ -311,7 +312,6 @@ class Gateway:
         with contextlib.suppress(Exception):  # and who the fleet ejected (advice: never a reason not to start)
             await self.pool.learn()
         await self.tiers.start()  # a coordinator of another LMCache API stops the start here
-        await learn_context(self.prompt_limits, self.client, ((w.config.model, w.config.url) for w in self.pool.all()))
         await self.subscriber.start()
         await self.subscriber.wait_synced(self.settings.kv_events_sync_timeout_s)
         for model in self.pool.models():

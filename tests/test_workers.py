@@ -14,7 +14,7 @@ from kvgate.gateway.health import Health
 from kvgate.gateway.workers import WorkerPool
 from kvgate.router.hashing import HashSpec
 from kvgate.router.types import WorkerId
-from kvgate.serving import start_server
+from kvgate.serving import free_port, start_server
 from kvgate.sim.server import SimWorker
 from kvgate.sim.settings import SimSettings
 
@@ -53,6 +53,30 @@ async def test_pool_learns_the_workers_hashing_and_counts_a_mismatch_once(model_
     finally:
         await client.aclose()
         await h.stop()
+
+
+async def test_a_worker_up_after_the_pool_started_still_gives_its_context_length(model_dir: Path) -> None:
+    # kvgate started before its worker (a Deployment's pods in any order): the prompt limit is the worker's
+    # once it answers, not the tokenizer's fallback for ever.
+    port = free_port()
+    client = httpx.AsyncClient()
+    pool = WorkerPool([WorkerConfig(url=f"http://127.0.0.1:{port}", model="m", engine="sim")], client,
+                      MonotonicClock())
+    heard: list[tuple[str, int]] = []
+    pool.on_context(lambda model, n: heard.append((model, n)))
+    sim = SimWorker(SimSettings(model_dir=str(model_dir), max_model_len=65536, port=port))
+    try:
+        await pool.check_all()
+        assert heard == []
+        h = await start_server(sim.build_app(), port=port)
+        await pool.check_all()
+        await pool.check_all()
+        assert heard == [("m", 65536)]  # read once, not on every check
+        (w,) = pool.all()
+        assert w.max_model_len == 65536
+        await h.stop()
+    finally:
+        await client.aclose()
 
 
 class ToyWorker:

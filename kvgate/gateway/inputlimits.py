@@ -3,11 +3,8 @@ the settings, and the cheap prompt-size bound checked before any rendering or to
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
-
-import httpx
 
 from kvgate.errors import BadRequest
 from kvgate.settings.limits import HostileSettings
@@ -88,18 +85,12 @@ def text_chars(endpoint: str, body: Mapping[str, Any]) -> int:
     return n
 
 
-async def learn_context(limits: PromptLimits, client: httpx.AsyncClient, workers: Iterable[tuple[str, str]]) -> None:
-    """Each worker's context length from its /v1/models (``max_model_len``, vLLM and SGLang both report
-    it); a worker that does not answer leaves its model's limit as it was."""
-    async def one(model: str, url: str) -> None:
-        try:
-            r = await client.get(f"{url}/v1/models", timeout=5.0)
-            data = r.json().get("data") if r.status_code == 200 else None
-        except (httpx.HTTPError, ValueError):
-            return
-        for d in data if isinstance(data, list) else ():
-            n = d.get("max_model_len") if isinstance(d, dict) else None
-            if isinstance(n, int) and not isinstance(n, bool):
-                limits.learn(model, n)
-
-    await asyncio.gather(*(one(m, u) for m, u in workers))
+def context_length(models: Any) -> int | None:
+    """A worker's context length from its /v1/models answer (``max_model_len``: vLLM and SGLang both report
+    it); None when it does not say."""
+    data = models.get("data") if isinstance(models, dict) else None
+    for d in data if isinstance(data, list) else ():
+        n = d.get("max_model_len") if isinstance(d, dict) else None
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            return n
+    return None

@@ -25,6 +25,7 @@ from kvgate.clock import Clock
 from kvgate.config import WorkerConfig
 from kvgate.gateway.enginemetrics import EngineMetrics, parse_metrics
 from kvgate.gateway.health import Health, HealthTracker
+from kvgate.gateway.inputlimits import context_length
 from kvgate.kvstore.health import HealthBoard
 from kvgate.router.hashing import HASH_ALGOS, HashSpec
 from kvgate.router.load import WorkerLoad
@@ -60,6 +61,8 @@ class WorkerState(WorkerLoad):
     """GPU KV capacity in tokens: configured, else ``vllm:cache_config_info`` (blocks x block size)."""
     started_at: float | None = None
     """The worker's ``process_start_time_seconds`` at the last poll."""
+    max_model_len: int | None = None
+    """Its context length from its /v1/models, read when it first answers and after a restart."""
     learned_block_size: int | None = None
     learned_hash_algo: str | None = None
     """The hashing setup the worker publishes (None until seen); it wins over the configured one."""
@@ -141,6 +144,7 @@ class WorkerPool:
         self.restarts: dict[tuple[WorkerId, str], int] = {}
         """(worker, signal) -> restarts detected by the health poll (process_restarted, readmitted)."""
         self._on_restart: list[Callable[[WorkerId], None]] = []
+        self._on_context: list[Callable[[str, int], None]] = []
         self._departed: OrderedDict[WorkerId, WorkerState] = OrderedDict()
         self.blames_loop: Callable[[float], bool] = lambda timeout_s: False
         """Whether a timeout of this many seconds that just fired is kvgate's own late event loop's
@@ -170,6 +174,11 @@ class WorkerPool:
         """Call ``listener(worker)`` when a worker restarted or came back after being out, before it is
         eligible for routing again."""
         self._on_restart.append(listener)
+
+    def on_context(self, listener: Callable[[str, int], None]) -> None:
+        """Call ``listener(model, max_model_len)`` when a worker's context length is read: a worker that
+        was not up when kvgate started, or joined later, still sets its model's prompt limit."""
+        self._on_context.append(listener)
 
     # -- reading -------------------------------------------------------------------------------
     def get(self, wid: WorkerId) -> WorkerState:
@@ -352,6 +361,8 @@ class WorkerPool:
             if restart is not None:
                 # Before the worker is eligible again: nothing it held before may be expected there.
                 self._restarted(w, restart)
+            if w.max_model_len is None or restart is not None:
+                await self._read_context(w)
             self._success(w)
             w.last_error = ""
         w.last_check = self._clock.now()
@@ -364,6 +375,17 @@ class WorkerPool:
         self.restarts[(w.id, signal)] = self.restarts.get((w.id, signal), 0) + 1
         for listener in self._on_restart:
             listener(w.id)
+
+    async def _read_context(self, w: WorkerState) -> None:
+        try:
+            r = await self._client.get(f"{w.config.url}/v1/models", timeout=self._timeout)
+            n = context_length(r.json()) if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return  # the limit stays as it was; the next check asks again
+        if n is not None:
+            w.max_model_len = n
+            for listener in self._on_context:
+                listener(w.config.model, n)
 
     async def _poll_load(self, w: WorkerState) -> str | None:
         """Read the worker's /metrics; returns ``process_restarted`` when its process start time moved."""
