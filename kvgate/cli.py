@@ -354,9 +354,9 @@ def _build_parser() -> argparse.ArgumentParser:
     b.add_argument("--weights", action="store_true", help="also random weights (needs torch)")
 
     bn = sub.add_parser("bench", help="benchmarks from a source checkout: mooncake, swe, tiering, stores, overhead, "
-                        "tracing, epp, tenants, hostile, regroup, kvevents")
+                        "tracing, epp, tenants, hostile, regroup, kvevents, upstream")
     bn.add_argument("which", choices=["mooncake", "swe", "tiering", "stores", "overhead", "tracing", "epp", "tenants",
-                                          "hostile", "regroup", "kvevents"])
+                                          "hostile", "regroup", "kvevents", "upstream"])
     bn.add_argument("--trace", help="Mooncake-format trace, .jsonl or .jsonl.gz "
                     "(default: data/mooncake/conversation_trace.jsonl.gz)")
     bn.add_argument("--out", default="bench-out", help="output directory (default: bench-out)")
@@ -450,6 +450,10 @@ def _bench(args: argparse.Namespace) -> None:
         from kvgate.bench import kvevents
 
         kvevents.main(quick=args.quick)
+    elif args.which == "upstream":
+        from kvgate.bench import upstream
+
+        upstream.main(quick=args.quick)
     elif args.which == "regroup":
         from kvgate.bench import regroup
 
