@@ -136,7 +136,8 @@ def run(quick: bool = False) -> list[Row]:
 
 def render(rows: list[Row]) -> str:
     lines = ["### The upstream client alone (CPU per streamed request, 40 KB body, 16 at a time)", "",
-             "| client | events per answer | CPU per request (ms, median) | rounds (ms) | per event (µs) | requests/s |",
+             "| client | events per answer | CPU per request (ms, median) | rounds (ms) | per event (µs) "
+             "| requests/s |",
              "|---|---|---|---|---|---|"]
     lines += [f"| {r.client} | {r.events} | {r.cpu_ms:.3f} | {' / '.join(f'{x:.3f}' for x in r.rounds_ms)} | "
               f"{r.cpu_ms * 1000 / r.events:.1f} | {r.per_s:.0f} |" for r in rows]
