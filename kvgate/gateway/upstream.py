@@ -1,12 +1,12 @@
 """The proxied request's HTTP client, behind a small interface.
 
 A proxied turn is a POST of a large body followed by a stream of small SSE chunks, and the client that
-carries it is most of the gateway's CPU per request. Measured on this repository's simulated worker
-(40 KB chat body, 17 streamed events, the client alone on one core; ``kvgate bench overhead`` shows the
-effect on the whole gateway): httpx 1.1-1.9 ms of CPU per request, aiohttp 0.23-0.61 ms. aiohttp carries
-the proxied requests; httpx stays for everything else (health, events, probes, background prefills),
-where a few requests a second do not matter. ``upstream_client: httpx`` keeps the old path for
-comparison.
+carries it was much of the gateway's CPU per request. Three carry it (``upstream_client``):
+``gateway/h1client.py``, kvgate's own on httptools' parser, the default; aiohttp, which carried it before;
+httpx, which carried it first. ``kvgate bench upstream`` measures them alone on one core (40 KB chat body,
+streamed answers; docs/routing.md): per request of 17 events 0.19 / 0.39 / 1.68 ms of CPU. httpx stays
+for everything else (health, events, probes, background prefills), where a few requests a second do not
+matter.
 
 What the sender needs to know of a failure is only whether the worker can have had the request:
 ``NotSent`` (refused or timed-out connection: another worker may take it) or ``Lost`` (it may have
