@@ -130,12 +130,3 @@ def test_declined_shapes_go_to_jinja() -> None:
     jinja = ChatTemplate(CHAT_TEMPLATE, SPECIAL, fast=False)
     assert ChatTemplate(CHAT_TEMPLATE, SPECIAL).render(parts) == jinja.render(parts)
     assert render_qwen3.render(ok, None, True, SPECIAL) == "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n"
-
-
-def test_render_fast_gives_renders_text_or_none() -> None:
-    # What the prompt builder renders on the event loop: the fast text when covered, None when only Jinja can.
-    fast, jinja = ChatTemplate(CHAT_TEMPLATE, SPECIAL), ChatTemplate(CHAT_TEMPLATE, SPECIAL, fast=False)
-    ok: list[dict[str, Any]] = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
-    assert fast.render_fast(ok) == jinja.render(ok)
-    assert fast.render_fast([{"role": "developer", "content": "d"}, *ok]) is None
-    assert jinja.render_fast(ok) is None  # no Python renderer: Jinja only

@@ -244,7 +244,10 @@ class PromptBuilder:
                 if endpoint == "chat":
                     kwargs = body.get("chat_template_kwargs")
                     args = (body["messages"], body.get("tools"), True, kwargs if isinstance(kwargs, dict) else None)
-                    text = await self._render(tok, args, _render_size(body))
+                    # Rendering a long conversation (Jinja over every message) takes as long as
+                    # tokenizing it: beside the event loop, like the tokenizing.
+                    text = tok.render_chat(*args) if _render_size(body) <= self._inline_chars \
+                        else await asyncio.to_thread(tok.render_chat, *args)
                     head = self._head(model, chain, text, stop, token_limit) if defer and stop is not None \
                         else None
                     if head is not None:
@@ -265,16 +268,6 @@ class PromptBuilder:
             return _Tokens(None, "estimate")
         got = await self._worker_tokenize(model, req)
         return _Tokens(array("I", got), "worker") if got is not None else _Tokens(None, "estimate")
-
-    async def _render(self, tok: ChatTokenizer, args: tuple[Any, Any, bool, Any], size: int) -> str:
-        """The chat's text. Rendering a long conversation with Jinja takes as long as tokenizing it: over
-        ``inline_chars`` it goes beside the event loop, like the tokenizing, unless the Python renderer
-        covers it (then up to ``FAST_RENDER_INLINE`` times as much stays on the loop)."""
-        if size <= self._inline_chars:
-            return tok.render_chat(*args)
-        if size <= FAST_RENDER_INLINE * self._inline_chars and (text := tok.render_chat_fast(*args)) is not None:
-            return text
-        return await asyncio.to_thread(tok.render_chat, *args)
 
     def _head(self, model: str, chain: Chain | None, text: str, stop: Callable[[Chain], bool],
               token_limit: int | None) -> Chain | None:
@@ -331,13 +324,6 @@ class PromptBuilder:
         tok, text = rendered
         cut = text.find(marker)
         return None if cut < 0 else tok.encode(text[: tok.last_safe_split(text, cut)])
-
-
-FAST_RENDER_INLINE = 16
-"""A conversation the template's Python renderer covers renders on the event loop up to this many times
-``inline_chars``: it costs ~1/15–1/20 of Jinja's time (docs/routing.md, "The template in Python"), so the
-loop is held about as long as by Jinja at ``inline_chars``, and a thread hop (0.1–0.3 ms with its wake-ups)
-would cost more than the render."""
 
 
 def _render_size(body: Mapping[str, Any]) -> int:

@@ -171,24 +171,3 @@ class ChatTemplate:
             raise
         except (jinja2.TemplateError, TypeError, AttributeError, KeyError) as exc:
             raise TemplateError(f"chat template failed: {exc}") from exc
-
-    def render_fast(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        add_generation_prompt: bool = True,
-        template_kwargs: Mapping[str, Any] | None = None,
-    ) -> str | None:
-        """The text when the template's Python renderer covers these messages (the same text ``render``
-        gives); None when there is none or it declines: then only ``render`` (Jinja) can say."""
-        if self._fast is None:
-            return None
-        kwargs = dict(self._special)
-        kwargs.update(template_kwargs or {})
-        try:
-            return self._fast(normalize_messages(messages), normalize_tools(tools), add_generation_prompt, kwargs)
-        except TemplateError:
-            raise
-        except (TypeError, AttributeError, KeyError) as exc:
-            raise TemplateError(f"chat template failed: {exc}") from exc

@@ -125,18 +125,6 @@ class ChatTokenizer:
             messages, tools=tools, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs
         )
 
-    def render_chat_fast(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        add_generation_prompt: bool = True,
-        template_kwargs: Mapping[str, Any] | None = None,
-    ) -> str | None:
-        """``render_chat``'s text when the template's Python renderer covers the messages, else None."""
-        return self.template.render_fast(
-            messages, tools=tools, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs
-        )
-
     def encode_chat(
         self,
         messages: Sequence[Mapping[str, Any]],
