@@ -345,6 +345,35 @@ async def test_a_relay_that_does_not_read_pauses_the_worker(serve: Callable[[Rep
     assert got == total
 
 
+async def test_a_connection_paused_as_its_answer_ended_reads_the_next_one(
+        serve: Callable[[Reply], Awaitable[Server]]) -> None:
+    body = b"y" * (BUFFER_BYTES + 4096)
+    first = [True]
+
+    async def head_then_json(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        if first[0]:  # the body comes from the test, in one read (the socket would deliver it in several)
+            first[0] = False
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body))
+        else:
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+        await writer.drain()
+        return True
+
+    s = await serve(head_then_json)
+    up = H1Upstream(connect_timeout_s=1.0, read_timeout_s=1.0)
+    try:
+        resp = await up.post(s.url(), b"{}", {})
+        conn = resp._conn  # type: ignore[attr-defined]
+        conn.data_received(body)  # past the bound in the read that also ends the answer: paused, then released
+        # The next request takes the connection before the relay has read the first answer.
+        assert await asyncio.wait_for(_post(up, s.url()), 5.0) == (200, b"{}")  # hung: released still paused
+        assert await resp.read() == body
+        await resp.close()
+    finally:
+        await up.aclose()
+    assert s.connections == 1
+
+
 async def test_an_idle_connection_past_the_keepalive_is_not_reused(serve: Callable[[Reply], Awaitable[Server]]) -> None:
     s = await serve(_json)
     up = H1Upstream(connect_timeout_s=1.0, read_timeout_s=5.0, keepalive_s=0.1)

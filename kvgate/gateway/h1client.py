@@ -118,7 +118,7 @@ class _Answer:
     def _take(self) -> bytes:
         data = self._buf[0] if len(self._buf) == 1 else b"".join(self._buf)
         self._buf.clear()
-        if self._buffered > BUFFER_BYTES:
+        if self._buffered > BUFFER_BYTES and not self.complete:  # once complete, the connection is another's
             self._conn.resume()
         self._buffered = 0
         return data
@@ -283,6 +283,7 @@ class _Connection(asyncio.Protocol):
         self._done()
         a.on_complete()
         if keep and not self.closed:
+            self.resume()  # what the relay has not read is the answer's now, not the connection's
             self.upstream._release(self)
         else:
             self.abort()
