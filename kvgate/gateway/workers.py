@@ -62,7 +62,8 @@ class WorkerState(WorkerLoad):
     started_at: float | None = None
     """The worker's ``process_start_time_seconds`` at the last poll."""
     max_model_len: int | None = None
-    """Its context length from its /v1/models, read when it first answers and after a restart."""
+    """Its context length from its /v1/models, read when it first answers and after a restart; 0 when its
+    answer does not say (then it is not asked again until it restarts), None until it answered."""
     learned_block_size: int | None = None
     learned_hash_algo: str | None = None
     """The hashing setup the worker publishes (None until seen); it wins over the configured one."""
@@ -379,11 +380,13 @@ class WorkerPool:
     async def _read_context(self, w: WorkerState) -> None:
         try:
             r = await self._client.get(f"{w.config.url}/v1/models", timeout=self._timeout)
-            n = context_length(r.json()) if r.status_code == 200 else None
+            if r.status_code != 200:
+                return  # not ready to say: the next check asks again
+            n = context_length(r.json())
         except (httpx.HTTPError, ValueError):
             return  # the limit stays as it was; the next check asks again
+        w.max_model_len = n or 0
         if n is not None:
-            w.max_model_len = n
             for listener in self._on_context:
                 listener(w.config.model, n)
 
