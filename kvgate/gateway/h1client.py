@@ -73,9 +73,9 @@ def _head(target: _Target, body: bytes, headers: Mapping[str, str]) -> bytes:
 class _Answer:
     """One request's answer, fed by its connection's parser callbacks."""
 
-    def __init__(self, conn: _Connection, upstream: H1Upstream) -> None:
+    def __init__(self, conn: _Connection, slots: asyncio.Semaphore) -> None:
         self._conn = conn
-        self._upstream = upstream
+        self._slots = slots
         self.status = 0
         self._headers: list[tuple[bytes, bytes]] = []
         self._buf: list[bytes] = []
@@ -137,7 +137,7 @@ class _Answer:
     def _end(self) -> None:
         if self._slot:
             self._slot = False
-            self._upstream._slots.release()
+            self._slots.release()
 
     # The connection's parser callbacks.
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -334,7 +334,7 @@ class H1Upstream:
 
     async def _exchange(self, conn: _Connection, data: bytes, reused: bool) -> _Answer | None:
         """The answer with its status and headers; None when a reused connection broke before any byte."""
-        answer = _Answer(conn, self)
+        answer = _Answer(conn, self._slots)
         conn.send(answer, data)
         try:
             while not answer.headers_done and answer.error is None:
